@@ -1,0 +1,61 @@
+"""TopK oracle as an index-based method: exact top-k of the true scores.
+
+It "indexes" by keeping a full-precision copy of the retrieval keys, so it
+reads every key to choose — an upper bound on what any top-k retriever
+(ParisKV, PQCache) can select at the same k, not a practical method. Like
+ParisKV, one retrieval per KV head from the query averaged over its group.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.attention.common import Selection
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKConfig:
+    top_k: int = 100
+    sink: int = 4
+    local: int = 512
+    buffer: int = 512
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.top_k < 1:
+            raise ValueError(f"TopKConfig.top_k must be >= 1, got {self.top_k}")
+        for name in ("sink", "local", "buffer"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TopKConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TopKIndex:
+    keys: jax.Array  # [cap, d]
+    n: jax.Array  # int32 count of valid rows
+
+
+def build(cfg: TopKConfig, keys, n, key=None) -> TopKIndex:
+    return TopKIndex(keys=keys, n=jnp.asarray(n, jnp.int32))
+
+
+def insert(cfg: TopKConfig, index: TopKIndex, keys_new, count) -> TopKIndex:
+    keys = jax.lax.dynamic_update_slice(index.keys, keys_new.astype(index.keys.dtype), (index.n, 0))
+    # Rows beyond count are written too but stay invalid (n advances by count only).
+    return TopKIndex(keys=keys, n=index.n + count)
+
+
+def select(cfg: TopKConfig, index: TopKIndex, q) -> Selection:
+    cap = index.keys.shape[0]
+    k = min(cfg.top_k, cap)
+    s = index.keys.astype(jnp.float32) @ jnp.mean(q.astype(jnp.float32), axis=0)
+    valid = jnp.arange(cap) < index.n
+    top_s, idx = jax.lax.top_k(jnp.where(valid, s, -jnp.inf), k)
+    return Selection(idx=idx.astype(jnp.int32), mask=top_s > -jnp.inf)
+
+
+def correction(cfg, index, q, k_rows, selection):
+    return None

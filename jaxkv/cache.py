@@ -1,0 +1,427 @@
+"""KV caches for generate(): the dense cache and the four-region cache.
+
+Four regions per layer and sequence (DESIGN.md), by token position p:
+
+    sink      p < S                          exact, device
+    retrieval S <= p < S + retr_len          full precision in host memory,
+                                             reached only through the method's index
+    window    the rest, in position order    exact, device: the `local` tokens
+              (W <= win_len <= W + U)        plus the update buffer
+
+Prefill leaves at most W tokens in the window. Each decode step appends to the
+window; when it holds W + U tokens, the oldest U move to retrieval and are
+inserted into the index (the "flush"), so the exact regions never grow. A
+prompt shorter than S + W keeps everything exact until enough tokens arrive.
+
+Static shapes: every array has a fixed capacity; the lengths are data. The
+retrieval capacity is sized by generate() from the request (prompt + new
+tokens), so nothing is ever dropped; asking for more raises before running.
+
+Batches flush together: the flush runs (under one lax.cond) when any row's
+window is full, and rows that are not full move zero tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import models
+from jaxkv.attention import common
+
+# name → (module, config class); imported on first use.
+METHODS = {
+    "magicpig": ("jaxkv.attention.magicpig", "MagicPIGConfig"),
+    "pariskv": ("jaxkv.attention.pariskv", "ParisKVConfig"),
+    "pqcache": ("jaxkv.attention.pqcache", "PQCacheConfig"),
+    "topk": ("jaxkv.attention.topk", "TopKConfig"),
+}
+
+
+def method_module(name: str):
+    """The module implementing sparse method `name` (build/insert/select/correction)."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of: dense, {', '.join(METHODS)}")
+    return importlib.import_module(METHODS[name][0])
+
+
+def method_config_class(name: str):
+    return getattr(method_module(name), METHODS[name][1])
+
+HOST = jax.memory.Space.Host
+DEVICE = jax.memory.Space.Device
+
+
+# ----------------------------------------------------------------------------
+# Dense cache: one [B, capacity, Hkv, hd] buffer per layer.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DenseKV:
+    k: jax.Array  # [B, capacity, Hkv, hd] (leading layer axis when stacked)
+    v: jax.Array
+
+
+def init_dense(config, batch: int, capacity: int, dtype) -> DenseKV:
+    """Stacked (leading layer axis) dense caches for every layer."""
+    shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+    return DenseKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def dense_attention(q, k, v, positions, state: DenseKV):
+    """Write k, v at their positions, then attend causally over the whole buffer."""
+    rows = jnp.arange(q.shape[0])[:, None]
+    state = DenseKV(k=state.k.at[rows, positions].set(k.astype(state.k.dtype)),
+                    v=state.v.at[rows, positions].set(v.astype(state.v.dtype)))
+    kv_positions = jnp.arange(state.k.shape[1], dtype=jnp.int32)
+    out = models.dense_causal_attention(q, state.k, state.v, positions, kv_positions)
+    return out, state
+
+
+# ----------------------------------------------------------------------------
+# Configuration.
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Region sizes and placement. None takes the method's own default.
+
+    dense_threshold: contexts shorter than this are attended exactly (every
+    retrieval row read). None = ParisKV's rule max(2000, S + W + 2·top_k);
+    0 disables the fallback.
+    offload: keep retrieval K/V in pinned host memory (False: on the device).
+    """
+
+    sink: int | None = None
+    local: int | None = None
+    buffer: int | None = None
+    dense_threshold: int | None = None
+    offload: bool = True
+
+    def __post_init__(self):
+        for name in ("sink", "local", "buffer", "dense_threshold"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"CacheConfig.{name} must be >= 0, got {value}")
+        if self.buffer is not None and self.buffer == 0:
+            raise ValueError("CacheConfig.buffer must be >= 1: the update buffer is how keys reach the index")
+
+    def resolve(self, method_cfg) -> "CacheConfig":
+        """Concrete sizes: this config's values, else the method config's."""
+        sink = self.sink if self.sink is not None else method_cfg.sink
+        local = self.local if self.local is not None else method_cfg.local
+        buffer = self.buffer if self.buffer is not None else getattr(method_cfg, "buffer", local) or 64
+        top_k = getattr(method_cfg, "top_k", 0)
+        threshold = (self.dense_threshold if self.dense_threshold is not None
+                     else max(2000, sink + local + 2 * top_k))
+        return CacheConfig(sink, local, buffer, threshold, self.offload)
+
+
+# ----------------------------------------------------------------------------
+# The four-region cache of one layer.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RegionKV:
+    sink_k: jax.Array  # [B, Hkv, S, hd] device
+    sink_v: jax.Array
+    win_k: jax.Array  # [B, Hkv, W + U, hd] device, position order
+    win_v: jax.Array
+    retr_k: jax.Array  # [B, Hkv, cap, hd] host (or device without offload)
+    retr_v: jax.Array
+    index: Any  # the method's index, leaves with leading [B, Hkv]
+    sink_len: jax.Array  # [B] int32
+    win_len: jax.Array  # [B] int32
+    retr_len: jax.Array  # [B] int32
+    keys_read: jax.Array  # [B] float32, distinct keys read per KV head, summed over steps
+    keys_seen: jax.Array  # [B] float32, context length summed over steps
+
+
+def _host(x, ccfg):
+    return jax.device_put(x, HOST) if ccfg.offload else x
+
+
+def _device(x, ccfg):
+    return jax.device_put(x, DEVICE) if ccfg.offload else x
+
+
+def _flat_rows(b: int, h: int, cap: int, idx):
+    """Flat row numbers into a [B, H, cap, hd] array for per-(b, h) row indices [B, H, ...]."""
+    base = (jnp.arange(b)[:, None] * h + jnp.arange(h)[None, :]) * cap
+    return (base.reshape(b, h, *([1] * (idx.ndim - 2))) + idx).reshape(-1)
+
+
+def gather_rows(store, idx, ccfg):
+    """store [B, H, cap, hd] (host or device), idx [B, H, C] → rows [B, H, C, hd] on the device.
+
+    Host memory cannot be read by device kernels in JAX: the gather runs on the
+    host side (every operand in host memory) and only the selected rows move.
+    """
+    b, h, cap, hd = store.shape
+    flat_idx = _host(_flat_rows(b, h, cap, idx), ccfg)
+    flat = store.reshape(b * h * cap, hd)
+    rows = flat.at[flat_idx].get(mode="promise_in_bounds")
+    return _device(rows, ccfg).reshape(*idx.shape, hd)
+
+
+def scatter_rows(store, idx, rows, ccfg):
+    """Write rows [B, H, U, hd] at per-(b, h) row indices idx [B, H, U] of store."""
+    b, h, cap, hd = store.shape
+    flat_idx = _host(_flat_rows(b, h, cap, idx), ccfg)
+    flat = store.reshape(b * h * cap, hd).at[flat_idx].set(
+        _host(rows.reshape(-1, hd).astype(store.dtype), ccfg), mode="promise_in_bounds")
+    return flat.reshape(store.shape)
+
+
+def _heads_first(x):
+    """[B, T, H, hd] → [B, H, T, hd]."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _vmap2(f):
+    """vmap over batch and KV heads."""
+    return jax.vmap(jax.vmap(f))
+
+
+def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: CacheConfig,
+                         capacity: int, key) -> RegionKV:
+    """Split one layer's prefilled dense cache [B, T, Hkv, hd] into the four regions."""
+    s, w, u = ccfg.sink, ccfg.local, ccfg.buffer
+    b, t, h, hd = staging_k.shape
+    pad = max(0, s + capacity + w + u - t)
+    k = _heads_first(jnp.pad(staging_k, ((0, 0), (0, pad), (0, 0), (0, 0))))
+    v = _heads_first(jnp.pad(staging_v, ((0, 0), (0, pad), (0, 0), (0, 0))))
+    sink_len = jnp.minimum(lengths, s)
+    win_len = jnp.minimum(w, jnp.maximum(lengths - s, 0))
+    retr_len = lengths - sink_len - win_len
+
+    def window(x, start):
+        return jax.lax.dynamic_slice_in_dim(x, start, w + u, axis=1)
+
+    win_start = lengths - win_len
+    win_k = jax.vmap(window)(k, win_start)
+    win_v = jax.vmap(window)(v, win_start)
+    retr_k = k[:, :, s:s + capacity]
+    retr_v = v[:, :, s:s + capacity]
+    n = jnp.broadcast_to(retr_len[:, None], (b, h))
+    index = _vmap2(lambda kk, nn: method.build(mcfg, kk, nn, key))(retr_k, n)
+    zeros = jnp.zeros((b,), jnp.float32)
+    return RegionKV(
+        sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
+        retr_k=_host(retr_k, ccfg), retr_v=_host(retr_v, ccfg), index=index,
+        sink_len=sink_len, win_len=win_len, retr_len=retr_len,
+        keys_read=zeros, keys_seen=zeros)
+
+
+def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
+    """Move the oldest U window tokens of every full row into retrieval and its index."""
+    w, u = ccfg.local, ccfg.buffer
+    full = state.win_len == w + u
+    b, h = state.win_k.shape[:2]
+    moved_k, moved_v = state.win_k[:, :, :u], state.win_v[:, :, :u]
+    # Rows that are not full write their (unchanged) first window rows past their
+    # retrieval length: those rows stay invalid because retr_len does not move.
+    rows = state.retr_len[:, None, None] + jnp.arange(u)[None, None, :]
+    rows = jnp.broadcast_to(rows, (b, h, u))
+    count = jnp.broadcast_to(jnp.where(full, u, 0)[:, None], (b, h)).astype(jnp.int32)
+    index = _vmap2(lambda ix, kk, c: method.insert(mcfg, ix, kk, c))(state.index, moved_k, count)
+
+    def shift(x):
+        shifted = jnp.concatenate([x[:, :, u:], jnp.zeros_like(x[:, :, :u])], axis=2)
+        return jnp.where(full[:, None, None, None], shifted, x)
+
+    return dataclasses.replace(
+        state,
+        retr_k=scatter_rows(state.retr_k, rows, moved_k, ccfg),
+        retr_v=scatter_rows(state.retr_v, rows, moved_v, ccfg),
+        index=index, win_k=shift(state.win_k), win_v=shift(state.win_v),
+        win_len=state.win_len - jnp.where(full, u, 0),
+        retr_len=state.retr_len + jnp.where(full, u, 0))
+
+
+def append(state: RegionKV, k, v, positions, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
+    """Add one token per row (k, v [B, Hkv, hd] at positions [B]), flushing first if needed."""
+    w, u = ccfg.local, ccfg.buffer
+    state = jax.lax.cond(
+        jnp.any(state.win_len == w + u),
+        functools.partial(flush, method=method, mcfg=mcfg, ccfg=ccfg), lambda st: st, state)
+    in_sink = positions < ccfg.sink
+
+    def put(buf, x, where):
+        return jax.lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype), where, axis=1)
+
+    sink_at = jnp.minimum(positions, ccfg.sink - 1) if ccfg.sink else jnp.zeros_like(positions)
+    new_sink_k = jax.vmap(put)(state.sink_k, k, sink_at) if ccfg.sink else state.sink_k
+    new_sink_v = jax.vmap(put)(state.sink_v, v, sink_at) if ccfg.sink else state.sink_v
+    new_win_k = jax.vmap(put)(state.win_k, k, state.win_len)
+    new_win_v = jax.vmap(put)(state.win_v, v, state.win_len)
+    sel = in_sink[:, None, None, None]
+    return dataclasses.replace(
+        state,
+        sink_k=jnp.where(sel, new_sink_k, state.sink_k),
+        sink_v=jnp.where(sel, new_sink_v, state.sink_v),
+        win_k=jnp.where(sel, state.win_k, new_win_k),
+        win_v=jnp.where(sel, state.win_v, new_win_v),
+        sink_len=state.sink_len + in_sink,
+        win_len=state.win_len + ~in_sink)
+
+
+def _exact_partial(q, state: RegionKV):
+    """Partials over sink + window for q [B, Hkv, G, hd]."""
+    s_cap, w_cap = state.sink_k.shape[2], state.win_k.shape[2]
+    sink_mask = jnp.arange(s_cap)[None, :] < state.sink_len[:, None]
+    win_mask = jnp.arange(w_cap)[None, :] < state.win_len[:, None]
+    keys = jnp.concatenate([state.sink_k, state.win_k], axis=2)
+    values = jnp.concatenate([state.sink_v, state.win_v], axis=2)
+    mask = jnp.concatenate([sink_mask, win_mask], axis=1)
+    mask = jnp.broadcast_to(mask[:, None], keys.shape[:3])
+    return _vmap2(common.partial_attention)(q, keys, values, mask)
+
+
+def _retrieval_dense(q, state: RegionKV, ccfg):
+    """Exact partial over every retrieval row (the short-context fallback)."""
+    cap = state.retr_k.shape[2]
+    keys, values = _device(state.retr_k, ccfg), _device(state.retr_v, ccfg)
+    mask = jnp.arange(cap)[None, :] < state.retr_len[:, None]
+    mask = jnp.broadcast_to(mask[:, None], keys.shape[:3])
+    return _vmap2(common.partial_attention)(q, keys, values, mask), state.retr_len.astype(jnp.float32)
+
+
+def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
+    """The method's estimate over the retrieval region: select, gather, correct, attend."""
+    sel = _vmap2(lambda ix, qq: method.select(mcfg, ix, qq))(state.index, q)
+    k_rows = gather_rows(state.retr_k, sel.idx, ccfg)
+    v_rows = gather_rows(state.retr_v, sel.idx, ccfg)
+    log_weight = _vmap2(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s))(
+        state.index, q, k_rows, sel)
+    sel = dataclasses.replace(sel, log_weight=log_weight)
+    part = _vmap2(common.attend_selection)(q, k_rows, v_rows, sel)
+    reads = jnp.mean(_vmap2(lambda s: s.distinct_rows())(sel).astype(jnp.float32), axis=1)
+    return part, reads
+
+
+def region_attention(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg: CacheConfig):
+    """Decode-step attention (T = 1) through the four regions."""
+    if q.shape[1] != 1:
+        raise ValueError(f"the four-region cache decodes one token at a time, got {q.shape[1]}")
+    b, _, hq, hd = q.shape
+    hkv = k.shape[2]
+    pos = positions[:, 0]
+    state = append(state, k[:, 0], v[:, 0], pos, method=method, mcfg=mcfg, ccfg=ccfg)
+    qg = q[:, 0].reshape(b, hkv, hq // hkv, hd)
+    exact = _exact_partial(qg, state)
+    context = pos + 1
+    retrieval, reads = jax.lax.cond(
+        jnp.any(context < ccfg.dense_threshold),
+        lambda: _retrieval_dense(qg, state, ccfg),
+        lambda: _retrieval_sparse(qg, state, method=method, mcfg=mcfg, ccfg=ccfg))
+    out = _vmap2(lambda a, r: common.finalize(common.merge(a, r)))(exact, retrieval)
+    state = dataclasses.replace(
+        state,
+        keys_read=state.keys_read + reads + (state.sink_len + state.win_len).astype(jnp.float32),
+        keys_seen=state.keys_seen + context.astype(jnp.float32))
+    return out.reshape(b, 1, hq, hd).astype(q.dtype), state
+
+
+def all_tokens(state: RegionKV):
+    """Every cached token of every row in position order, gathered from the regions.
+
+    Returns (k, v) [B, Hkv, S + cap + W + U, hd] and the per-row length; row b's
+    first `length[b]` entries are positions 0..length-1. For tests and tools.
+    """
+    retr_k = jax.device_put(state.retr_k, DEVICE) if state.retr_k.sharding.memory_kind != "device" else state.retr_k
+    retr_v = jax.device_put(state.retr_v, DEVICE) if state.retr_v.sharding.memory_kind != "device" else state.retr_v
+
+    def one(sk, sv, rk, rv, wk, wv, sl, rl, wl):
+        parts_k = jnp.concatenate([sk, rk, wk], axis=1)
+        parts_v = jnp.concatenate([sv, rv, wv], axis=1)
+        s, cap = sk.shape[1], rk.shape[1]
+        j = jnp.arange(parts_k.shape[1])
+        # position j comes from: sink j (< sl), retrieval j - s, window j - s - rl.
+        src = jnp.where(j < sl, j, jnp.where(j < s + rl, j, s + cap + (j - s - rl)))
+        src = jnp.clip(src, 0, parts_k.shape[1] - 1)
+        return parts_k[:, src], parts_v[:, src]
+
+    k, v = jax.vmap(one)(state.sink_k, state.sink_v, retr_k, retr_v, state.win_k, state.win_v,
+                         state.sink_len, state.retr_len, state.win_len)
+    return k, v, state.sink_len + state.retr_len + state.win_len
+
+
+# ----------------------------------------------------------------------------
+# What generate() plugs in: the per-layer attention and state for a method.
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A hashable description of how every layer caches and attends."""
+
+    num_layers: int
+    method: str
+    method_config: Any
+    cache: CacheConfig | None
+    staging_capacity: int
+    retrieval_capacity: int
+    seed: int = 0
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        if self.method == "dense":
+            return tuple(range(self.num_layers))
+        return tuple(l for l in getattr(self.method_config, "dense_layers", ()) if l < self.num_layers)
+
+    @property
+    def attention(self):
+        if self.method == "dense":
+            return dense_attention
+        sparse = functools.partial(region_attention, method=method_module(self.method),
+                                   mcfg=self.method_config, ccfg=self.cache)
+        return tuple(dense_attention if l in self.dense_layers else sparse
+                     for l in range(self.num_layers))
+
+    def from_prefill(self, staging: DenseKV, lengths):
+        if self.method == "dense":
+            return staging
+        return _regions_for_layers(self, staging, lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def _regions_for_layers(backend: Backend, staging: DenseKV, lengths):
+    states = []
+    base_key = jax.random.key(backend.seed)
+    for layer in range(backend.num_layers):
+        k, v = staging.k[layer], staging.v[layer]
+        if layer in backend.dense_layers:
+            states.append(DenseKV(k=k, v=v))
+        else:
+            states.append(regions_from_prefill(
+                k, v, lengths, method=method_module(backend.method), mcfg=backend.method_config,
+                ccfg=backend.cache, capacity=backend.retrieval_capacity,
+                key=jax.random.fold_in(base_key, layer)))
+    return tuple(states)
+
+
+def make_backend(config, method: str, method_config, cache_config, batch: int,
+                 max_prompt: int, max_new_tokens: int, seed: int = 0) -> Backend:
+    """Validate a generate() request and size every cache for it."""
+    total = max_prompt + max_new_tokens
+    if method == "dense":
+        if method_config is not None or cache_config is not None:
+            raise ValueError("method='dense' takes no method_config or cache_config")
+        return Backend(config.num_layers, "dense", None, None, total, 0, seed)
+    config_class = method_config_class(method)
+    mcfg = method_config if method_config is not None else config_class()
+    if not isinstance(mcfg, config_class):
+        raise ValueError(f"method_config for {method!r} must be a {config_class.__name__}, "
+                         f"got {type(mcfg).__name__}")
+    ccfg = (cache_config or CacheConfig()).resolve(mcfg)
+    # Retrieval holds at most every token but the sink and local ones; the
+    # slack of one buffer keeps a flush's writes in bounds.
+    capacity = max(total - ccfg.sink - ccfg.local, 0) + ccfg.buffer
+    # Dense layers and the prefill staging cache keep every position.
+    return Backend(config.num_layers, method, mcfg, ccfg, total, capacity, seed)

@@ -1,0 +1,188 @@
+"""The `jaxkv` command: generate, convert, eval, bench.
+
+User errors (a missing model, a bad flag value, a prompt that does not fit)
+print one line `jaxkv: error: …` and exit with status 2; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+from pathlib import Path
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+               PermissionError, KeyError)
+
+
+class UserError(Exception):
+    """A problem with what the user asked for, reported as one line."""
+
+
+def _parse_value(text: str, annotation):
+    """Turn `text` into the type a config field declares (int, float, bool, tuple of ints)."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    if type(None) in kinds and text.lower() == "none":
+        return None
+    for kind in kinds:
+        kind = typing.get_origin(kind) or kind
+        if kind is bool:
+            if text.lower() in ("1", "true", "yes"):
+                return True
+            if text.lower() in ("0", "false", "no"):
+                return False
+        elif kind is tuple:
+            return tuple(int(x) for x in text.split(",") if x.strip())
+        elif kind in (int, float, str):
+            try:
+                return kind(text)
+            except ValueError:
+                continue
+    raise UserError(f"cannot read {text!r} as {annotation}")
+
+
+def config_with_overrides(cls, items: list[str]):
+    """Build config class `cls` from `key=value` strings (unknown keys are errors)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise UserError(f"--set expects key=value, got {item!r}")
+        if name not in fields:
+            raise UserError(f"{cls.__name__} has no field {name!r}; fields: {', '.join(fields)}")
+        values[name] = _parse_value(text, hints[name])
+    return cls(**values)
+
+
+def _load_model(path: str | None):
+    import models
+
+    target = Path(path) if path else models.default_model_path()
+    return models.load(target)
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        text = args.prompt
+    else:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
+    if not text.strip():
+        raise UserError("the prompt is empty")
+    return text
+
+
+def cmd_generate(args) -> int:
+    from jaxkv import cache as kvcache
+    from jaxkv.generate import generate
+
+    text = _read_prompt(args)
+    config, params, tokenizer = _load_model(args.model)
+    prompt = tokenizer.apply_chat_template(text) if args.chat else text
+    ids = tokenizer.encode(prompt)
+    method_config = cache_config = None
+    if args.method != "dense":
+        method_config = config_with_overrides(kvcache.method_config_class(args.method), args.set)
+        cache_config = kvcache.CacheConfig(
+            sink=args.sink, local=args.local, buffer=args.buffer,
+            dense_threshold=0 if args.no_dense_fallback else None, offload=not args.on_device)
+    elif args.set:
+        raise UserError("--set configures a sparse method; --method dense has no parameters")
+    result = generate(
+        params, config, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.method,
+        method_config=method_config, cache_config=cache_config,
+        allow_beyond_context=args.allow_beyond_context,
+        eos_ids=() if args.ignore_eos else None)
+    print(tokenizer.decode(result.tokens[0]))
+    print(f"[{args.method}] prompt {len(ids)} tokens, prefill {result.prefill_tokens_per_second:.1f} tok/s "
+          f"({result.prefill_seconds:.2f} s); generated {len(result.tokens[0])} tokens, decode "
+          f"{result.decode_tokens_per_second:.1f} tok/s ({result.decode_seconds:.2f} s, compile included)",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    import models
+
+    config, params, tokenizer = models.load(Path(args.src))
+    models.save(Path(args.dst), config, params, tokenizer)
+    print(f"wrote {args.dst} ({config.model_type}, {config.num_layers} layers)")
+    return 0
+
+
+def _study(module: str, args) -> int:
+    import importlib
+
+    return importlib.import_module(f"jaxkv.eval.{module}").main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="a file holding the prompt")
+    gen.add_argument("--model", help="GGUF file, Hugging Face directory or jaxkv checkpoint "
+                                     "(default: the embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--method", default="dense",
+                     choices=["dense", "magicpig", "pariskv", "topk", "pqcache"])
+    gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a method parameter, e.g. --set top_k=2048 (repeatable)")
+    gen.add_argument("--sink", type=int, help="sink tokens (default: the method's)")
+    gen.add_argument("--local", type=int, help="local window tokens (default: the method's)")
+    gen.add_argument("--buffer", type=int, help="update buffer tokens (default: the method's)")
+    gen.add_argument("--no-dense-fallback", action="store_true",
+                     help="use the sparse method even for short contexts")
+    gen.add_argument("--on-device", action="store_true",
+                     help="keep the retrieval region in device memory instead of pinned host memory")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    gen.add_argument("--allow-beyond-context", action="store_true",
+                     help="allow positions past the model's max_position_embeddings")
+    gen.set_defaults(run=cmd_generate)
+
+    conv = sub.add_parser("convert", help="convert a GGUF file or HF directory to a jaxkv checkpoint")
+    conv.add_argument("src")
+    conv.add_argument("dst")
+    conv.set_defaults(run=cmd_convert)
+
+    ev = sub.add_parser("eval", help="studies on the embedded model (tables, JSON, plots)")
+    studies = ev.add_subparsers(dest="study", required=True)
+    err = studies.add_parser("attention-error", help="attention-output error vs keys read (oracles, MagicPIG)")
+    err.add_argument("--tokens", type=int, default=8000, help="context length")
+    err.add_argument("--queries", type=int, default=64, help="last positions whose attention is estimated")
+    err.add_argument("--out", default="results/attention_error")
+    err.set_defaults(run=lambda a: _study("attention_error", a))
+    for p in (err,):
+        p.add_argument("--model", help="model path (default: the embedded SmolLM2)")
+        p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (UserError, *USER_ERRORS) as e:
+        if os.environ.get("JAXKV_DEBUG"):
+            raise
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"jaxkv: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

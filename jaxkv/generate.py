@@ -1,0 +1,206 @@
+"""generate(): chunked prefill, then the whole decode loop inside one jit.
+
+The prompt is always prefilled with exact attention into a dense staging
+cache (a right-padded batch: row b's token t sits at cache index t). For
+``method="dense"`` that staging cache, sized for the generated tokens too, is
+the decode cache. For a sparse method it is split into the four regions of
+:mod:`jaxkv.cache` and each layer's index is built over its retrieval region;
+decoding then reads the retrieval region only through the method's selection.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import models
+from jaxkv import cache as kvcache
+from jaxkv.sampling import SamplingConfig, sample
+
+PAD = -1  # marks "no token" in generated outputs
+
+
+@dataclasses.dataclass
+class Generation:
+    """What generate() returns: tokens per prompt (EOS excluded) and timings."""
+
+    tokens: list[list[int]]
+    prompt_lengths: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return sum(self.prompt_lengths) / max(self.prefill_seconds, 1e-9)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Batch tokens produced per second of the decode loop (first token excluded)."""
+        n = len(self.tokens) * max(self.decode_steps - 1, 0)
+        return n / max(self.decode_seconds, 1e-9)
+
+
+def _validate_prompts(prompts, config) -> list[list[int]]:
+    if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1:
+        prompts = [prompts]
+    rows = [np.asarray(p).astype(np.int64).reshape(-1).tolist() for p in prompts]
+    if not rows:
+        raise ValueError("prompts is empty: give at least one prompt")
+    for i, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        bad = [t for t in row if not 0 <= t < config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {config.vocab_size})")
+    return rows
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("staging",))
+def _prefill_chunk(params, config, tokens, start, lengths, staging, last_hidden):
+    """Run one chunk [B, C] at positions start..start+C; keep each row's last real hidden state."""
+    b, c = tokens.shape
+    positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+    hidden, staging = models.forward_hidden(
+        params, config, tokens, positions, staging, kvcache.dense_attention)
+    offset = lengths - 1 - start
+    in_chunk = (offset >= 0) & (offset < c)
+    picked = hidden[jnp.arange(b), jnp.clip(offset, 0, c - 1)]
+    last_hidden = jnp.where(in_chunk[:, None], picked.astype(last_hidden.dtype), last_hidden)
+    return staging, last_hidden
+
+
+def prefill(params, config, rows: Sequence[Sequence[int]], capacity: int, chunk: int, dtype):
+    """Prefill right-padded prompts into a dense staging cache of `capacity` positions.
+
+    Returns (staging cache, logits of each row's last prompt token [B, V]).
+    """
+    b = len(rows)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    padded = _round_up(int(lengths.max()), chunk)
+    tokens = np.zeros((b, padded), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    staging = kvcache.init_dense(config, b, max(capacity, padded), dtype)
+    last_hidden = jnp.zeros((b, config.hidden_size), dtype)
+    lengths_j = jnp.asarray(lengths)
+    for start in range(0, padded, chunk):
+        staging, last_hidden = _prefill_chunk(
+            params, config, jnp.asarray(tokens[:, start:start + chunk]), jnp.int32(start),
+            lengths_j, staging, last_hidden)
+    return staging, models.lm_head(params, config, last_hidden[:, None, :])[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoopSpec:
+    """Static description of a decode loop (hashable: a jit static argument)."""
+
+    config: models.ModelConfig
+    max_new_tokens: int
+    sampling: SamplingConfig
+    eos_ids: tuple[int, ...]
+    backend: kvcache.Backend
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("states",))
+def _decode_loop(params, spec: _LoopSpec, first_logits, lengths, states, key):
+    """Sample max_new_tokens tokens (fewer when every row has hit EOS) inside one while_loop."""
+    b = first_logits.shape[0]
+    eos = jnp.asarray(spec.eos_ids if spec.eos_ids else (-2,), jnp.int32)
+    out = jnp.full((b, spec.max_new_tokens), PAD, jnp.int32)
+
+    def emit(step, logits, out, done, key):
+        key, sub = jax.random.split(key)
+        token = sample(logits, sub, spec.sampling)
+        done = done | jnp.isin(token, eos)
+        out = out.at[:, step].set(jnp.where(done, PAD, token))
+        return token, out, done, key
+
+    token, out, done, key = emit(0, first_logits, out, jnp.zeros((b,), bool), key)
+
+    def cond(carry):
+        step, _, _, _, done, _ = carry
+        return (step < spec.max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        step, token, out, states, done, key = carry
+        positions = (lengths + step - 1)[:, None]
+        hidden, states = models.forward_hidden(
+            params, spec.config, token[:, None], positions, states, spec.backend.attention)
+        logits = models.lm_head(params, spec.config, hidden)[:, 0]
+        token, out, done, key = emit(step, logits, out, done, key)
+        return step + 1, token, out, states, done, key
+
+    step, _, out, states, _, _ = jax.lax.while_loop(
+        cond, body, (jnp.int32(1), token, out, states, done, key))
+    return out, step, states
+
+
+def generate(
+    params,
+    config,
+    prompts,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_ids: Sequence[int] | None = None,
+    seed: int = 0,
+    method: str = "dense",
+    method_config=None,
+    cache_config: kvcache.CacheConfig | None = None,
+    prefill_chunk: int = 512,
+    allow_beyond_context: bool = False,
+    dtype=None,
+) -> Generation:
+    """Generate up to max_new_tokens tokens for each prompt (token-id lists of any lengths).
+
+    method: "dense" or a sparse method name (see jaxkv.cache.METHODS); method_config
+    overrides that method's defaults; cache_config sizes the four regions.
+    Stops per row on any of eos_ids (default: the model's EOS tokens).
+    Positions beyond config.max_position_embeddings raise unless allow_beyond_context.
+    """
+    rows = _validate_prompts(prompts, config)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    longest = max(len(r) for r in rows) + max_new_tokens
+    if longest > config.max_position_embeddings and not allow_beyond_context:
+        raise ValueError(
+            f"prompt + max_new_tokens = {longest} tokens exceeds the model's "
+            f"max_position_embeddings = {config.max_position_embeddings} "
+            "(pass allow_beyond_context=True to go past it anyway)")
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
+    dtype = dtype or jax.tree_util.tree_leaves(params)[0].dtype
+    lengths = [len(r) for r in rows]
+    if max_new_tokens == 0:
+        return Generation([[] for _ in rows], lengths, 0.0, 0.0, 0)
+
+    backend = kvcache.make_backend(config, method, method_config, cache_config, len(rows),
+                                   max(lengths), max_new_tokens)
+    t0 = time.perf_counter()
+    staging, first_logits = prefill(
+        params, config, rows, backend.staging_capacity, prefill_chunk, dtype)
+    states = backend.from_prefill(staging, jnp.asarray(lengths, jnp.int32))
+    jax.block_until_ready((first_logits, states))
+    t1 = time.perf_counter()
+    spec = _LoopSpec(config, max_new_tokens, sampling, eos_ids, backend)
+    out, steps, _ = _decode_loop(params, spec, first_logits, jnp.asarray(lengths, jnp.int32),
+                                 states, jax.random.key(seed))
+    out = np.asarray(out)
+    t2 = time.perf_counter()
+    tokens = [[int(t) for t in row if t != PAD] for row in out]
+    return Generation(tokens, lengths, t1 - t0, t2 - t1, int(steps))
