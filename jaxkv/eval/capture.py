@@ -1,0 +1,76 @@
+"""Capture a real model's keys, values and queries for the attention studies.
+
+One dense prefill of a long text; every layer's keys and values (after k-norm
+and RoPE, as the cache holds them) for all positions, and the queries of the
+last `n_queries` positions — the rows whose attention the studies estimate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import models
+from jaxkv import cache as kvcache
+
+
+@dataclasses.dataclass
+class Captured:
+    """keys, values: [L, Hkv, N, hd]; queries: [L, Hkv, G, Q, hd]; query_positions: [Q]."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    queries: np.ndarray
+    query_positions: np.ndarray
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+
+def _capturing_attention(q, k, v, positions, state, *, first_query: int):
+    """Dense attention that also records q at positions >= first_query."""
+    kv, q_buf = state
+    out, kv = kvcache.dense_attention(q, k, v, positions, kv)
+    slot = positions - first_query
+    slot = jnp.where(slot >= 0, slot, q_buf.shape[1])  # out of range → dropped
+    rows = jnp.arange(q.shape[0])[:, None]
+    q_buf = q_buf.at[rows, slot].set(q.astype(q_buf.dtype), mode="drop")
+    return out, (kv, q_buf)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "first_query"), donate_argnames=("state",))
+def _prefill_chunk(params, config, tokens, positions, state, first_query):
+    attention = functools.partial(_capturing_attention, first_query=first_query)
+    _, state = models.forward_hidden(params, config, tokens, positions, state, attention)
+    return state
+
+
+def capture(params, config, tokens, n_queries: int = 64, chunk: int = 512) -> Captured:
+    """Prefill `tokens` (a 1-D id sequence) and return the captured tensors."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    n = tokens.shape[0]
+    if not 0 < n_queries <= n:
+        raise ValueError(f"n_queries must be in [1, {n}] for a {n}-token text, got {n_queries}")
+    padded = -(-n // chunk) * chunk
+    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    kv = kvcache.init_dense(config, 1, padded, dtype)
+    q_buf = jnp.zeros((config.num_layers, 1, n_queries, config.num_heads, config.head_dim), dtype)
+    state = (kv, q_buf)
+    ids = np.zeros((1, padded), np.int32)
+    ids[0, :n] = tokens
+    for start in range(0, padded, chunk):
+        positions = jnp.arange(start, start + chunk, dtype=jnp.int32)[None]
+        state = _prefill_chunk(params, config, jnp.asarray(ids[:, start:start + chunk]), positions,
+                               state, first_query=n - n_queries)
+    kv, q_buf = state
+    g = config.num_heads // config.num_kv_heads
+    keys = np.asarray(kv.k[:, 0, :n], np.float32).transpose(0, 2, 1, 3)
+    values = np.asarray(kv.v[:, 0, :n], np.float32).transpose(0, 2, 1, 3)
+    queries = np.asarray(q_buf[:, 0], np.float32)  # [L, Q, Hq, hd]
+    queries = queries.reshape(config.num_layers, n_queries, config.num_kv_heads, g, config.head_dim)
+    return Captured(keys=keys, values=values, queries=queries.transpose(0, 2, 3, 1, 4),
+                    query_positions=np.arange(n - n_queries, n))
