@@ -34,6 +34,9 @@ class Generation:
     prefill_seconds: float
     decode_seconds: float
     decode_steps: int
+    # Per row: distinct keys read / keys in context, over decode steps and layers
+    # (dense layers read everything). None for method="dense".
+    keys_read_fraction: list[float] | None = None
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -101,6 +104,49 @@ def prefill(params, config, rows: Sequence[Sequence[int]], capacity: int, chunk:
     return staging, models.lm_head(params, config, last_hidden[:, None, :])[:, 0]
 
 
+@dataclasses.dataclass
+class Prefilled:
+    """Prompts prefilled once, reusable by several generate() calls (e.g. one per method)."""
+
+    rows: list[list[int]]
+    staging: kvcache.DenseKV
+    first_logits: jax.Array
+    seconds: float
+
+    @property
+    def capacity(self) -> int:
+        return self.staging.k.shape[2]
+
+
+def prefill_prompts(params, config, prompts, *, capacity: int, prefill_chunk: int = 512,
+                    dtype=None) -> Prefilled:
+    """Validate and prefill prompts into a dense cache of `capacity` positions (≥ prompt + new tokens)."""
+    rows = _validate_prompts(prompts, config)
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    dtype = dtype or jax.tree_util.tree_leaves(params)[0].dtype
+    t0 = time.perf_counter()
+    staging, first_logits = prefill(params, config, rows, capacity, prefill_chunk, dtype)
+    jax.block_until_ready(first_logits)
+    return Prefilled(rows, staging, first_logits, time.perf_counter() - t0)
+
+
+def _keys_read_fraction(states, backend) -> list[float] | None:
+    if backend.method == "dense":
+        return None
+    read = seen = 0.0
+    for state in states:
+        if isinstance(state, kvcache.RegionKV):
+            read, seen = read + np.asarray(state.keys_read), seen + np.asarray(state.keys_seen)
+    if np.all(np.asarray(seen) == 0):
+        return None
+    n_dense = len(backend.dense_layers)
+    n_layers = backend.num_layers
+    # Dense layers read every key: weight them in by layer count.
+    frac = (read / np.maximum(seen, 1) * (n_layers - n_dense) + n_dense) / n_layers
+    return [float(x) for x in frac]
+
+
 @dataclasses.dataclass(frozen=True)
 class _LoopSpec:
     """Static description of a decode loop (hashable: a jit static argument)."""
@@ -163,6 +209,7 @@ def generate(
     prefill_chunk: int = 512,
     allow_beyond_context: bool = False,
     dtype=None,
+    prefilled: Prefilled | None = None,
 ) -> Generation:
     """Generate up to max_new_tokens tokens for each prompt (token-id lists of any lengths).
 
@@ -170,12 +217,12 @@ def generate(
     overrides that method's defaults; cache_config sizes the four regions.
     Stops per row on any of eos_ids (default: the model's EOS tokens).
     Positions beyond config.max_position_embeddings raise unless allow_beyond_context.
+    prefilled: the result of prefill_prompts() for these prompts (then `prompts`
+    may be None); it is left intact, so several methods can share one prefill.
     """
-    rows = _validate_prompts(prompts, config)
+    rows = prefilled.rows if prefilled is not None else _validate_prompts(prompts, config)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     longest = max(len(r) for r in rows) + max_new_tokens
     if longest > config.max_position_embeddings and not allow_beyond_context:
         raise ValueError(
@@ -184,7 +231,6 @@ def generate(
             "(pass allow_beyond_context=True to go past it anyway)")
     sampling = SamplingConfig(temperature, top_k, top_p)
     eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
-    dtype = dtype or jax.tree_util.tree_leaves(params)[0].dtype
     lengths = [len(r) for r in rows]
     if max_new_tokens == 0:
         return Generation([[] for _ in rows], lengths, 0.0, 0.0, 0)
@@ -192,15 +238,24 @@ def generate(
     backend = kvcache.make_backend(config, method, method_config, cache_config, len(rows),
                                    max(lengths), max_new_tokens)
     t0 = time.perf_counter()
-    staging, first_logits = prefill(
-        params, config, rows, backend.staging_capacity, prefill_chunk, dtype)
-    states = backend.from_prefill(staging, jnp.asarray(lengths, jnp.int32))
-    jax.block_until_ready((first_logits, states))
+    if prefilled is None:
+        prefilled = prefill_prompts(params, config, rows, capacity=backend.staging_capacity,
+                                    prefill_chunk=prefill_chunk, dtype=dtype)
+        staging = prefilled.staging  # ours alone: the decode loop may consume it
+    elif prefilled.capacity < backend.staging_capacity:
+        raise ValueError(f"prefilled cache holds {prefilled.capacity} positions; this request needs "
+                         f"{backend.staging_capacity} (prompt + max_new_tokens)")
+    else:
+        staging = jax.tree.map(jnp.copy, prefilled.staging)  # keep the caller's prefill intact
+    lengths_j = jnp.asarray(lengths, jnp.int32)
+    states = backend.from_prefill(staging, lengths_j)
+    jax.block_until_ready(states)
     t1 = time.perf_counter()
     spec = _LoopSpec(config, max_new_tokens, sampling, eos_ids, backend)
-    out, steps, _ = _decode_loop(params, spec, first_logits, jnp.asarray(lengths, jnp.int32),
-                                 states, jax.random.key(seed))
+    out, steps, states = _decode_loop(params, spec, prefilled.first_logits, lengths_j, states,
+                                      jax.random.key(seed))
     out = np.asarray(out)
     t2 = time.perf_counter()
     tokens = [[int(t) for t in row if t != PAD] for row in out]
-    return Generation(tokens, lengths, t1 - t0, t2 - t1, int(steps))
+    return Generation(tokens, lengths, t1 - t0, t2 - t1, int(steps),
+                      _keys_read_fraction(states, backend))

@@ -93,3 +93,20 @@ def test_bad_requests_raise_clear_errors(params, kwargs, message):
     request = dict(prompts=[[1, 2, 3]], max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         jaxkv.generate(params, CONFIG, request.pop("prompts"), **request)
+
+
+def test_one_prefill_shared_by_several_methods(params):
+    prompts = _prompts([30, 12], seed=11)
+    shared = jaxkv.prefill_prompts(params, CONFIG, prompts, capacity=64)
+    method = topk.TopKConfig(top_k=256, sink=2, local=4, buffer=3)
+    for kwargs in (dict(), dict(method="topk", method_config=method, cache_config=CacheConfig(dense_threshold=0))):
+        fresh = jaxkv.generate(params, CONFIG, prompts, max_new_tokens=10, eos_ids=(), **kwargs)
+        reused = jaxkv.generate(params, CONFIG, None, max_new_tokens=10, eos_ids=(), prefilled=shared, **kwargs)
+        assert reused.tokens == fresh.tokens
+    sparse = jaxkv.generate(params, CONFIG, None, max_new_tokens=10, eos_ids=(), prefilled=shared, method="topk",
+                            method_config=topk.TopKConfig(top_k=2, sink=2, local=4, buffer=3),
+                            cache_config=CacheConfig(dense_threshold=0))
+    # Row 0 (30 tokens): per step sink 2 + window ≥ 4 + top-2 of the rest are read.
+    assert 0 < sparse.keys_read_fraction[0] < 0.5
+    with pytest.raises(ValueError, match="prefilled cache holds 64 positions"):
+        jaxkv.generate(params, CONFIG, None, max_new_tokens=40, prefilled=shared)
