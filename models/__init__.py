@@ -1,0 +1,29 @@
+"""Llama / Qwen2 / Qwen3 decoders in JAX: config, parameters, forward pass, checkpoint import.
+
+Public entry points: :func:`load` (any source), :func:`load_hf`, :func:`load_gguf`,
+:func:`forward` (dense), :func:`forward_hidden` (attention as a plug-in),
+:func:`save` / :func:`restore` (orbax), :class:`Tokenizer`.
+"""
+from models.checkpoint import restore, save
+from models.config import ModelConfig
+from models.decoder import (
+    KVCache,
+    dense_causal_attention,
+    forward,
+    forward_hidden,
+    init_cache,
+    lm_head,
+    rms_norm,
+)
+from models.errors import ModelError, ModelNotFoundError
+from models.gguf_import import load_gguf
+from models.hf import load_hf
+from models.loading import default_model_path, load
+from models.params import LayerParams, Params, init_params, param_shapes
+from models.tokenizer import Tokenizer
+
+__all__ = [
+    "KVCache", "LayerParams", "ModelConfig", "ModelError", "ModelNotFoundError", "Params", "Tokenizer",
+    "default_model_path", "dense_causal_attention", "forward", "forward_hidden", "init_cache", "init_params",
+    "lm_head", "load", "load_gguf", "load_hf", "param_shapes", "restore", "rms_norm", "save",
+]

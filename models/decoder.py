@@ -1,0 +1,217 @@
+"""The decoder (Llama, Qwen2, Qwen3) as pure functions, with attention as a plug-in.
+
+:func:`forward_hidden` runs every layer's math except attention itself, which
+it calls as ``attention(q, k, v, positions, layer_state) -> (out, layer_state)``
+— the hook through which ``jaxkv.generate`` plugs a sparse method into a layer.
+:func:`forward` is the dense model: forward_hidden with the plain causal
+attention of :func:`dense_causal_attention`, over the prompt itself or over a
+dense :class:`KVCache`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.errors import ModelError
+from models.params import LayerParams, Params
+from models.rope import apply_rope, inverse_frequencies
+
+# attention(q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], positions [B,T], state) -> (out [B,T,Hq,hd], state)
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, object], tuple[jax.Array, object]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Dense cache of every layer's keys and values (after k-norm and RoPE)."""
+
+    k: jax.Array  # [num_layers, B, max_len, num_kv_heads, head_dim]
+    v: jax.Array  # [num_layers, B, max_len, num_kv_heads, head_dim]
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    """An all-zero cache for ``batch`` sequences of up to ``max_len`` tokens."""
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 and cast back before the weight (as HF)."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def dense_causal_attention(q, k_all, v_all, q_positions, kv_positions, *, query_block: int = 512) -> jax.Array:
+    """Softmax attention where a query at position p sees the keys at positions <= p.
+
+    q [B, T, Hq, hd]; k_all, v_all [B, S, Hkv, hd]; q_positions [B, T];
+    kv_positions [B, S] or [S]. Query head h uses KV head h // (Hq/Hkv), as
+    HF's ``repeat_kv``. Scores and softmax in float32; returns [B, T, Hq, hd]
+    in q's dtype. Queries go ``query_block`` at a time (``lax.map``), so a long
+    prefill holds [Hq, query_block, S] scores at once, not [Hq, T, S].
+    """
+    b, t, hq, hd = q.shape
+    hkv = k_all.shape[2]
+    if hq % hkv or k_all.shape != v_all.shape or k_all.shape[0] != b or k_all.shape[3] != hd:
+        raise ModelError(f"dense_causal_attention: q {q.shape} does not fit k {k_all.shape} / v {v_all.shape}")
+    kv_positions = jnp.broadcast_to(kv_positions, (b, k_all.shape[1]))
+    if t <= query_block:
+        return _attend_query_block(q, k_all, v_all, q_positions, kv_positions)
+    n = -(-t // query_block)
+    pad = n * query_block - t
+    # Padding queries sit at position -1: they see no key, and are cut off below.
+    q_blocks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, query_block, hq, hd)
+    p_blocks = jnp.pad(q_positions, ((0, 0), (0, pad)), constant_values=-1).reshape(b, n, query_block)
+    out = jax.lax.map(lambda qp: _attend_query_block(qp[0], k_all, v_all, qp[1], kv_positions),
+                      (q_blocks.swapaxes(0, 1), p_blocks.swapaxes(0, 1)))
+    return out.swapaxes(0, 1).reshape(b, n * query_block, hq, hd)[:, :t]
+
+
+def _attend_query_block(q, k_all, v_all, q_positions, kv_positions):
+    b, t, hq, hd = q.shape
+    hkv = k_all.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, hd)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k_all, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    visible = kv_positions[:, None, None, None, :] <= q_positions[:, None, None, :, None]
+    # A finite floor, not -inf: a row that sees nothing stays finite instead of NaN.
+    s = jnp.where(visible, s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v_all.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v_all, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, hd).astype(q.dtype)
+
+
+def forward_hidden(params: Params, config: ModelConfig, tokens, positions, states,
+                   attention: AttentionFn | Sequence[AttentionFn]):
+    """Embed, run every layer with the given attention step, final-norm.
+
+    tokens, positions: [B, T] int32. ``attention`` is one callable (``states``
+    then has a leading num_layers axis on every leaf and layers run under
+    ``lax.scan``) or a sequence of num_layers callables (``states`` a tuple of
+    per-layer states; a Python loop, for layers of different kinds).
+    Returns (hidden [B, T, D] after the final norm, new states).
+    """
+    _check_tokens(tokens, positions)
+    inv_freq = inverse_frequencies(config)
+    x = jnp.take(params.embed, tokens, axis=0)
+
+    def layer_step(x, layer, state, attend):
+        return _layer(layer, config, inv_freq, x, positions, state, attend)
+
+    if callable(attention):
+        _check_stacked_states(states, config.num_layers)
+
+        def scan_body(x, layer_and_state):
+            return layer_step(x, *layer_and_state, attention)
+        x, states = jax.lax.scan(scan_body, x, (params.layers, states))
+    elif isinstance(attention, Sequence) and len(attention) == config.num_layers:
+        if len(states) != config.num_layers:
+            raise ModelError(f"states: expected {config.num_layers} per-layer states, found {len(states)}")
+        new_states = []
+        for i, (attend, state) in enumerate(zip(attention, states)):
+            layer = jax.tree.map(lambda w, i=i: w[i], params.layers)
+            x, state = layer_step(x, layer, state, attend)
+            new_states.append(state)
+        states = tuple(new_states)
+    else:
+        raise ModelError(
+            f"attention: expected a callable or a sequence of {config.num_layers} callables, found {attention!r}")
+    return rms_norm(x, params.final_norm, config.rms_norm_eps), states
+
+
+def lm_head(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Logits [..., V] in float32 from final hidden states [..., D]."""
+    unembed = params.embed if config.tie_word_embeddings else params.unembed
+    return jnp.einsum("...d,vd->...v", hidden, unembed, preferred_element_type=jnp.float32)
+
+
+def forward(params: Params, config: ModelConfig, tokens, cache: KVCache | None = None, *, positions=None):
+    """Dense decoder: logits [B, T, V] float32, or (logits, cache) when given a cache.
+
+    positions [B, T] (default arange(T) for every row). With a cache, token t of
+    row b is written at cache index positions[b, t] and attends the cache
+    indices <= its position, so right-padded batches work; writes past the
+    cache's length are dropped (JAX scatter semantics), so size it to fit.
+    """
+    tokens = jnp.asarray(tokens)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+    if cache is None:
+        hidden, _ = forward_hidden(params, config, tokens, positions, (), _self_attention)
+        return lm_head(params, config, hidden)
+    _check_cache(cache, config, tokens.shape[0])
+    hidden, (k, v) = forward_hidden(params, config, tokens, positions, (cache.k, cache.v), _cached_attention)
+    return lm_head(params, config, hidden), KVCache(k=k, v=v)
+
+
+def _self_attention(q, k, v, positions, state):
+    """Dense attention over the tokens of this call only (no cache)."""
+    return dense_causal_attention(q, k, v, positions, positions), state
+
+
+def _cached_attention(q, k, v, positions, layer_cache):
+    """Write this call's k, v at their positions, then attend the whole cache."""
+    cache_k, cache_v = layer_cache
+
+    def write(cache_rows, pos, new):
+        return cache_rows.at[pos].set(new.astype(cache_rows.dtype))
+
+    cache_k = jax.vmap(write)(cache_k, positions, k)
+    cache_v = jax.vmap(write)(cache_v, positions, v)
+    kv_positions = jnp.arange(cache_k.shape[1], dtype=jnp.int32)
+    return dense_causal_attention(q, cache_k, cache_v, positions, kv_positions), (cache_k, cache_v)
+
+
+def _layer(layer: LayerParams, config: ModelConfig, inv_freq, x, positions, state, attention):
+    """One pre-norm decoder layer: x + attention(norm(x)), then x + MLP(norm(x))."""
+    eps = config.rms_norm_eps
+    h = rms_norm(x, layer.attn_norm, eps)
+    q = _project(h, layer.wq, layer.bq)
+    k = _project(h, layer.wk, layer.bk)
+    v = _project(h, layer.wv, layer.bv)
+    if config.qk_norm:
+        q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    out, state = attention(q, k, v, positions, state)
+    attn = jnp.einsum("bthk,hkd->btd", out.astype(x.dtype), layer.wo)
+    if layer.bo is not None:
+        attn = attn + layer.bo
+    x = x + attn
+    h = rms_norm(x, layer.mlp_norm, eps)
+    gated = jax.nn.silu(h @ layer.w_gate) * (h @ layer.w_up)
+    return x + gated @ layer.w_down, state
+
+
+def _project(h, w, bias):
+    """h [B, T, D] through w [D, H, hd] (+ bias [H, hd]) -> [B, T, H, hd]."""
+    out = jnp.einsum("btd,dhk->bthk", h, w)
+    return out if bias is None else out + bias
+
+
+def _check_cache(cache: KVCache, config: ModelConfig, batch: int) -> None:
+    expected = (config.num_layers, batch, None, config.num_kv_heads, config.head_dim)
+    for name, array in (("cache.k", cache.k), ("cache.v", cache.v)):
+        if array.ndim != 5 or any(e not in (None, f) for e, f in zip(expected, array.shape)):
+            raise ModelError(f"{name}: expected shape [num_layers={config.num_layers}, B={batch}, max_len, "
+                             f"num_kv_heads={config.num_kv_heads}, head_dim={config.head_dim}], found {array.shape}")
+
+
+def _check_stacked_states(states, num_layers: int) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(states)[0]:
+        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != num_layers:
+            raise ModelError(f"states{jax.tree_util.keystr(path)}: expected a leading num_layers axis of "
+                             f"{num_layers}, found shape {jnp.shape(leaf)}")
+
+
+def _check_tokens(tokens, positions) -> None:
+    if tokens.ndim != 2:
+        raise ModelError(f"tokens: expected shape [B, T], found {tokens.shape}")
+    if positions.shape != tokens.shape:
+        raise ModelError(f"positions: expected shape {tokens.shape} (as tokens), found {positions.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ModelError(f"tokens: expected an integer dtype, found {tokens.dtype}")

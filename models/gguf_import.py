@@ -1,0 +1,144 @@
+"""llama.cpp GGUF files: config and tokenizer from the metadata, dequantised weights.
+
+Tensors are renamed to their HF names and layouts and go through the same
+validation and conversion as safetensors checkpoints
+(:func:`models.hf.params_from_hf_tensors`). llama.cpp's converter permutes
+Llama's q/k projection rows into its interleaved RoPE layout; we undo that so
+the split-halves RoPE of the decoder applies unchanged.
+"""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from models.errors import ModelError, ModelNotFoundError
+from models.hf import params_from_hf_tensors
+from models.tokenizer import Tokenizer
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def load_gguf(path, dtype=jnp.float32):
+    """(config, params, tokenizer) from a llama.cpp GGUF file (weights dequantised to ``dtype``)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"no GGUF file at {path}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as err:
+        raise ModelError(f"{path}: not a readable GGUF file ({err})") from err
+    meta = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    tensors = {t.name: t for t in reader.tensors}
+    config = ModelConfig.from_hf(_hf_config(meta, tensors, path))
+    by_hf_name = {_hf_name(name): name for name in tensors}
+
+    def get_tensor(hf_name):
+        tensor = tensors[by_hf_name[hf_name]]
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # GGUF lists dims fastest-first; numpy (and HF) want them slowest-first.
+        weights = weights.reshape(tuple(reversed([int(n) for n in tensor.shape])))
+        return _unpermute_qk(config, hf_name, weights)
+
+    # The tokenizer first: an unsupported one fails before the slow dequantisation.
+    tokenizer = Tokenizer.from_gguf_metadata(
+        {k.removeprefix("tokenizer."): v for k, v in meta.items() if k.startswith("tokenizer.")})
+    params = params_from_hf_tensors(config, by_hf_name, get_tensor, dtype, source=str(path))
+    return config, params, tokenizer
+
+
+def _hf_name(gguf_name: str) -> str:
+    """The HF name of a GGUF tensor; unknown names pass through (and are reported as unexpected)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return gguf_name
+
+
+def _hf_config(meta: dict, tensors: dict, path: pathlib.Path) -> dict:
+    """The HF config.json equivalent of the GGUF metadata."""
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ModelError(f"{path}: GGUF key 'general.architecture': expected llama, qwen2 or qwen3, found {arch!r}")
+    if "rope_freqs.weight" in tensors:
+        raise ModelError(f"{path}: tensor 'rope_freqs.weight' (per-frequency RoPE factors, Llama-3.1 GGUFs) "
+                         "is not supported")
+
+    def key(name, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelError(f"{path}: GGUF key '{arch}.{name}' is missing")
+        return value
+
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    hf = {
+        "model_type": arch,
+        "vocab_size": len(meta.get("tokenizer.ggml.tokens") or ()) or key("vocab_size"),
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", hidden // heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(meta, arch),
+        "max_position_embeddings": key("context_length"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    if arch != "qwen2":
+        hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    return hf
+
+
+def _rope_scaling(meta: dict, arch: str) -> dict | None:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
+    raise ModelError(f"GGUF key '{arch}.rope.scaling.type': {kind!r} is not supported (none, linear)")
+
+
+def _unpermute_qk(config: ModelConfig, hf_name: str, weights: np.ndarray) -> np.ndarray:
+    """Undo llama.cpp's Llama q/k row permutation (interleaved -> split-halves RoPE pairs)."""
+    if config.model_type != "llama":
+        return weights
+    if hf_name.endswith("q_proj.weight") or hf_name.endswith("q_proj.bias"):
+        heads = config.num_heads
+    elif hf_name.endswith("k_proj.weight") or hf_name.endswith("k_proj.bias"):
+        heads = config.num_kv_heads
+    else:
+        return weights
+    rows = weights.reshape(heads, config.head_dim // 2, 2, -1)
+    return rows.swapaxes(1, 2).reshape(weights.shape)
