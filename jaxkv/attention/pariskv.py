@@ -1,0 +1,361 @@
+"""ParisKV retrieval: data-independent sign-pattern buckets, six-tier voting, RSQ-IP rerank.
+
+One KV head (query group q[G, d], keys [N, d]); batch and heads come from vmap.
+
+Pipeline (DESIGN.md, "ParisKV"):
+1. ``rotate``: k̂ = k/‖k‖, zero-pad to P = the next power of two ≥ d, y = H·D·k̂/√P
+   (D a ±1 diagonal regenerated from ``cfg.seed``, H the Sylvester–Hadamard matrix).
+2. ``bucket_ids``: y splits into B = P/m subspaces; each key's bucket in subspace b
+   is its sign pattern (bit j set iff coordinate j of the subspace is ≥ 0). The
+   2^m centroids ±1/√m are fixed, so inserting keys never retrains anything.
+3. ``vote_table`` / ``coarse_votes``: per subspace the query ranks the 2^m patterns;
+   walking them in order, a pattern lands in the first tier t whose cap
+   ``n·collision_ratio·TIER_FRACTIONS[t]`` still covers the keys counted so far
+   (cumulative, including this pattern); a key gets 6 − t votes there (0 past
+   the last tier). Ties in the ranking go to the lower pattern id.
+4. the top ``n_candidates`` keys by votes are reranked by RSQ-IP (``rsq``), and
+   the best ``top_k`` by estimated ⟨k, q̄⟩ are attended exactly.
+
+Static sizes: the candidate count and the length-adaptive ratios are resolved
+from the index *capacity* (a static shape), never from the valid count n; the
+tier caps use n (data). The index keeps per-(subspace, bucket) key counts,
+updated at insertion, so the tiers need no pass over the keys at query time.
+Code layout (shared with ``pallas_kernels``): see ``rsq`` — nibble
+``(sign_bit << 3) | magnitude_index``, sign bit set for NEGATIVE coordinates,
+low nibble = even coordinate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.attention import common, rsq
+
+TIER_FRACTIONS = (0.05, 0.15, 0.30, 0.50, 0.75, 1.0)
+N_TIERS = len(TIER_FRACTIONS)
+# (retrieval length below which it applies, candidate_ratio, collision_ratio)
+LENGTH_ADAPTIVE_RATIOS = (
+    (5_000, 0.5, 0.5),
+    (10_000, 0.25, 0.3),
+    (30_000, 0.2, 0.25),
+    (math.inf, 0.1, 0.2),
+)
+MAX_M = 8  # bucket ids are uint8 and the vote table has 2^m columns
+
+
+@dataclasses.dataclass(frozen=True)
+class ParisKVConfig:
+    """Static ParisKV settings (official defaults); dense_layers: layers the cache keeps dense."""
+
+    m: int = 8
+    top_k: int = 100
+    sink: int = 4
+    local: int = 512
+    buffer: int = 512
+    candidate_ratio: float | None = None  # None: length-adaptive, from the capacity
+    collision_ratio: float | None = None  # None: length-adaptive, from the capacity
+    official_levels: bool = False  # True: the official m=8 Lloyd–Max table
+    seed: int = 0
+    dense_layers: tuple = ()
+
+    def __post_init__(self):
+        if not 2 <= self.m <= MAX_M:
+            raise ValueError(f"ParisKVConfig.m must be in [2, {MAX_M}], got {self.m}")
+        if self.top_k < 1:
+            raise ValueError(f"ParisKVConfig.top_k must be >= 1, got {self.top_k}")
+        for name in ("sink", "local", "buffer"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ParisKVConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("candidate_ratio", "collision_ratio"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"ParisKVConfig.{name} must be in (0, 1] or None, got {value}")
+        if self.official_levels and self.m != 8:
+            raise ValueError(f"ParisKVConfig.official_levels needs m=8, got m={self.m}")
+        if not isinstance(self.dense_layers, tuple):
+            raise ValueError(f"ParisKVConfig.dense_layers must be a tuple, got {self.dense_layers!r}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ParisKVIndex:
+    """Index of one KV head's retrieval region; rows >= n are unused."""
+
+    signs: jax.Array          # uint8 [cap, B] bucket id per subspace
+    codes: jax.Array          # uint8 [cap, P/2] RSQ-IP nibbles, low nibble = even coordinate
+    weight: jax.Array         # float32 [cap, B] calibration w_b = ‖k‖·r_b/α_b
+    bucket_counts: jax.Array  # int32 [B, 2^m] valid keys per (subspace, bucket)
+    n: jax.Array              # int32 valid rows
+
+
+# ---------------------------------------------------------------- static sizes
+
+def padded_dim(d: int) -> int:
+    """The power of two the rotation works in."""
+    return 1 << max(d - 1, 0).bit_length()
+
+
+def n_subspaces(cfg: ParisKVConfig, d: int) -> int:
+    p = padded_dim(d)
+    if p % cfg.m:
+        raise ValueError(f"ParisKVConfig.m={cfg.m} must divide the padded head dim {p} (d={d})")
+    return p // cfg.m
+
+
+def resolve_ratios(cfg: ParisKVConfig, length: int) -> tuple[float, float]:
+    """(candidate_ratio, collision_ratio): explicit config values, else DESIGN.md's rule."""
+    for limit, candidate, collision in LENGTH_ADAPTIVE_RATIOS:
+        if length < limit:
+            break
+    return (
+        candidate if cfg.candidate_ratio is None else cfg.candidate_ratio,
+        collision if cfg.collision_ratio is None else cfg.collision_ratio,
+    )
+
+
+def n_retrieved(cfg: ParisKVConfig, capacity: int) -> int:
+    return min(cfg.top_k, capacity)
+
+
+def n_candidates(cfg: ParisKVConfig, capacity: int) -> int:
+    """ceil(candidate_ratio·capacity), at least the final top-k, at most the capacity."""
+    candidate_ratio, _ = resolve_ratios(cfg, capacity)
+    wanted = math.ceil(candidate_ratio * capacity)
+    return min(max(wanted, n_retrieved(cfg, capacity)), capacity)
+
+
+def index_bytes_per_key(cfg: ParisKVConfig, d: int) -> int:
+    """Index memory per key: bucket ids (1 B per subspace) + 4-bit codes + f32 weights."""
+    b = n_subspaces(cfg, d)
+    return b + padded_dim(d) // 2 + 4 * b
+
+
+# ---------------------------------------------------------------- transform
+
+def _hadamard(p: int) -> np.ndarray:
+    """Sylvester–Hadamard matrix of order p (a power of two), entries ±1."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < p:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def rotation_diagonal(cfg: ParisKVConfig, p: int) -> jax.Array:
+    """The seeded ±1 diagonal D of the rotation (float32 [p])."""
+    return jax.random.rademacher(jax.random.key(cfg.seed), (p,), dtype=jnp.float32)
+
+
+def rotate(cfg: ParisKVConfig, x: jax.Array) -> jax.Array:
+    """Normalise then rotate: x[..., d] → y[..., P] = H·D·(x/‖x‖)/√P (zero x stays zero)."""
+    d = x.shape[-1]
+    n_subspaces(cfg, d)  # validates m against the padded dim
+    p = padded_dim(d)
+    x = x.astype(jnp.float32)
+    norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
+    unit = x / jnp.where(norm > 0, norm, 1.0)
+    padded = jnp.pad(unit, [(0, 0)] * (x.ndim - 1) + [(0, p - d)])
+    h = jnp.asarray(_hadamard(p) / math.sqrt(p))
+    # Full f32 matmul: TF32 (the GPU default) would flip signs of near-zero coordinates.
+    return jnp.matmul(padded * rotation_diagonal(cfg, p), h, precision=jax.lax.Precision.HIGHEST)
+
+
+def bucket_ids(cfg: ParisKVConfig, y: jax.Array) -> jax.Array:
+    """Sign pattern per subspace: y[..., P] → uint8 [..., P/m], bit j ⇔ y[b·m + j] ≥ 0."""
+    bits = (y >= 0).reshape(*y.shape[:-1], -1, cfg.m).astype(jnp.uint8)
+    return jnp.sum(bits << jnp.arange(cfg.m, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
+
+
+def _levels(cfg: ParisKVConfig):
+    return rsq.magnitude_levels(cfg.m, cfg.official_levels)
+
+
+# ---------------------------------------------------------------- index
+
+def empty_index(cfg: ParisKVConfig, capacity: int, d: int) -> ParisKVIndex:
+    b, p = n_subspaces(cfg, d), padded_dim(d)
+    return ParisKVIndex(
+        signs=jnp.zeros((capacity, b), jnp.uint8),
+        codes=jnp.zeros((capacity, p // 2), jnp.uint8),
+        weight=jnp.zeros((capacity, b), jnp.float32),
+        bucket_counts=jnp.zeros((b, 2**cfg.m), jnp.int32),
+        n=jnp.int32(0),
+    )
+
+
+def append_targets(n, n_new: int, count, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Where the first ``count`` of ``n_new`` new rows go in an index holding n rows.
+
+    Returns (target [n_new] rows, live [n_new] bool). Unused slots and rows at or
+    past the capacity target ``capacity``, which ``.at[target].set(..., mode="drop")``
+    drops. (Shared with pqcache; a candidate for ``common``.)
+    """
+    slot = jnp.arange(n_new)
+    rows = n + slot
+    live = (slot < count) & (rows < capacity)
+    return jnp.where(live, rows, capacity), live
+
+
+def insert(cfg: ParisKVConfig, index: ParisKVIndex, keys_new: jax.Array, count) -> ParisKVIndex:
+    """Append the first ``count`` rows of keys_new[U, d] at rows n, n+1, ….
+
+    Nothing is retrained: buckets and codes depend only on the key itself.
+    Rows that would land at or beyond the capacity are dropped (the cache that
+    owns the capacity must not overflow it).
+    """
+    capacity = index.signs.shape[0]
+    y = rotate(cfg, keys_new)
+    signs = bucket_ids(cfg, y)
+    thresholds, centres = _levels(cfg)
+    codes, weight = rsq.encode(y, jnp.linalg.norm(keys_new.astype(jnp.float32), axis=-1),
+                               cfg.m, thresholds, centres)
+    target, live = append_targets(index.n, keys_new.shape[0], count, capacity)
+    subspace = jnp.arange(signs.shape[1])[None, :]
+    return ParisKVIndex(
+        signs=index.signs.at[target].set(signs, mode="drop"),
+        codes=index.codes.at[target].set(codes, mode="drop"),
+        weight=index.weight.at[target].set(weight, mode="drop"),
+        bucket_counts=index.bucket_counts.at[subspace, signs].add(
+            jnp.broadcast_to(live[:, None], signs.shape).astype(jnp.int32)),
+        n=index.n + jnp.sum(live, dtype=jnp.int32),
+    )
+
+
+def build(cfg: ParisKVConfig, keys: jax.Array, n, key=None) -> ParisKVIndex:
+    """Index of the first n rows of keys[cap, d]; capacity = keys.shape[0].
+
+    ``key`` is accepted for the common method interface and unused: the index
+    is deterministic given ``cfg.seed``.
+    """
+    del key
+    return insert(cfg, empty_index(cfg, keys.shape[0], keys.shape[-1]), keys, n)
+
+
+# ---------------------------------------------------------------- coarse stage
+
+def _pattern_signs(m: int) -> np.ndarray:
+    """[2^m, m] ±1: coordinate j of pattern p is +1 iff bit j of p is set."""
+    bits = (np.arange(2**m)[:, None] >> np.arange(m)[None, :]) & 1
+    return (2 * bits - 1).astype(np.float32)
+
+
+def vote_table(cfg: ParisKVConfig, q_rot: jax.Array, n, bucket_counts: jax.Array,
+               capacity: int) -> jax.Array:
+    """Votes per subspace per sign pattern, int32 [B, 2^m]: the coarse stage's LUT.
+
+    q_rot [P] the rotated query; n the valid keys; bucket_counts [B, 2^m] keys
+    per bucket; capacity (static) picks the length-adaptive collision ratio.
+    """
+    _, collision_ratio = resolve_ratios(cfg, capacity)
+    q_blocks = q_rot.astype(jnp.float32).reshape(-1, cfg.m)
+    pattern_scores = jnp.matmul(q_blocks, jnp.asarray(_pattern_signs(cfg.m).T),
+                                precision=jax.lax.Precision.HIGHEST)  # ∝ ⟨centroid, q_b⟩
+    order = jnp.argsort(-pattern_scores, axis=-1, stable=True)
+    covered = jnp.cumsum(jnp.take_along_axis(bucket_counts, order, axis=-1), axis=-1)
+    caps = n * collision_ratio * jnp.asarray(TIER_FRACTIONS, jnp.float32)
+    tier = jnp.sum(covered[..., None] > caps, axis=-1)  # caps passed = tiers skipped
+    votes_in_order = jnp.maximum(N_TIERS - tier, 0).astype(jnp.int32)
+    return jnp.take_along_axis(votes_in_order, jnp.argsort(order, axis=-1), axis=-1)
+
+
+def coarse_votes(cfg: ParisKVConfig, index: ParisKVIndex, q_rot: jax.Array) -> jax.Array:
+    """Total votes per key, int32 [cap]; rows >= n get -1."""
+    capacity, b = index.signs.shape
+    table = vote_table(cfg, q_rot, index.n, index.bucket_counts, capacity)
+    votes = jnp.sum(table[jnp.arange(b)[None, :], index.signs], axis=-1, dtype=jnp.int32)
+    return jnp.where(jnp.arange(capacity) < index.n, votes, -1)
+
+
+# ---------------------------------------------------------------- rerank and selection
+
+def _query(cfg: ParisKVConfig, q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(rotated unit query [P], its norm) of the one retrieval query per KV head.
+
+    q[G, d] is averaged over the GQA group; a single q[d] is used as it is.
+    """
+    q = q.astype(jnp.float32)
+    q = jnp.mean(q, axis=0) if q.ndim == 2 else q
+    return rotate(cfg, q), jnp.linalg.norm(q)
+
+
+def _rerank(cfg, index, q_rot, q_norm, candidate_idx):
+    _, centres = _levels(cfg)
+    return rsq.estimate(index.codes[candidate_idx], index.weight[candidate_idx],
+                        q_rot, q_norm, cfg.m, centres)
+
+
+def rerank_scores(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array,
+                  candidate_idx: jax.Array) -> jax.Array:
+    """RSQ-IP estimate of ⟨k, q̄⟩ for rows candidate_idx[C] (q̄ the group mean), float32 [C]."""
+    return _rerank(cfg, index, *_query(cfg, q), candidate_idx)
+
+
+SELECTION_BLOCK = 256
+
+
+def top_indices(values: jax.Array, k: int) -> jax.Array:
+    """Positions [k] of the k largest values[N], ties to the lower position: lax.top_k's answer.
+
+    The one place selection happens. When N ≥ 2·k·SELECTION_BLOCK it runs in two
+    exact stages (DESIGN.md's cost table: ~8× cheaper than lax.top_k on CPU for
+    k = 100 at 1M): the k blocks with the largest maxima hold every top-k element
+    (a block left out has k blocks whose maxima precede its best), and taking
+    those blocks in ascending order keeps lax.top_k's tie order.
+    """
+    n = values.shape[0]
+    if n < 2 * k * SELECTION_BLOCK:
+        return jax.lax.top_k(values, k)[1]
+    n_blocks = -(-n // SELECTION_BLOCK)
+    lowest = -jnp.inf if jnp.issubdtype(values.dtype, jnp.floating) else jnp.iinfo(values.dtype).min
+    blocks = jnp.pad(values, (0, n_blocks * SELECTION_BLOCK - n), constant_values=lowest)
+    blocks = blocks.reshape(n_blocks, SELECTION_BLOCK)
+    best_blocks = jnp.sort(jax.lax.top_k(jnp.max(blocks, axis=1), k)[1])
+    within = jax.lax.top_k(blocks[best_blocks].reshape(-1), k)[1]
+    return best_blocks[within // SELECTION_BLOCK] * SELECTION_BLOCK + within % SELECTION_BLOCK
+
+
+def _coarse_candidates(cfg, index, q_rot):
+    # float32 is exact for votes (≤ 6·B) and XLA CPU's top_k is ~4× faster on it
+    # than on int32 (measured: 123 vs 452 ms, k = 100K of 1M tied vote totals).
+    votes = coarse_votes(cfg, index, q_rot).astype(jnp.float32)
+    return top_indices(votes, n_candidates(cfg, index.signs.shape[0]))
+
+
+def coarse_candidates(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array) -> jax.Array:
+    """Row indices [n_candidates] of the keys with the most votes (unused rows last)."""
+    return _coarse_candidates(cfg, index, _query(cfg, q)[0])
+
+
+def _retrieve(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array):
+    """(row indices [k], valid [k]) of the final top-k after reranking the candidates."""
+    q_rot, q_norm = _query(cfg, q)
+    candidates = _coarse_candidates(cfg, index, q_rot)
+    valid = candidates < index.n
+    estimate = jnp.where(valid, _rerank(cfg, index, q_rot, q_norm, candidates), -jnp.inf)
+    best = top_indices(estimate, n_retrieved(cfg, index.signs.shape[0]))
+    return candidates[best], valid[best]
+
+
+def retrieve(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array) -> jax.Array:
+    """Row indices [min(top_k, cap)] of the final top-k (slots past n hold rows >= n)."""
+    return _retrieve(cfg, index, q)[0]
+
+
+def select(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array) -> common.Selection:
+    """The final top-k rows for the group q[G, d]; mask False on slots past the valid count."""
+    idx, valid = _retrieve(cfg, index, q)
+    return common.Selection(idx=idx, mask=valid)
+
+
+def correction(cfg, index, q, k_rows, selection):
+    """Top-k retrieval attends the selected keys as they are: no score correction."""
+    return None
+
+
+def attend(cfg: ParisKVConfig, q, keys, values, key=None):
+    """(output [G, d], keys read) over sink + local exactly and retrieved top-k of the rest."""
+    return common.attend_with_method(sys.modules[__name__], cfg, q, keys, values, key)

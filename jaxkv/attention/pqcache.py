@@ -1,0 +1,158 @@
+"""PQCache baseline: per-head product quantisation of the keys, top-k by PQ score.
+
+One KV head (query group q[G, d], keys [N, d]); batch and heads come from vmap.
+Keys split into ``n_sub`` sub-vectors; each subspace gets ``n_centroids``
+centroids from seeded k-means on the prefill keys (a fixed number of Lloyd
+iterations). Keys inserted later are assigned to those centroids, which are
+never retrained — the drift ParisKV is designed to avoid. The score of a key
+is Σ_s q_s·centroid[s, code_s] with q the group-mean query (the same ranking
+as summing the G heads' scores).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.attention import common, pariskv  # pariskv: shared top-k and row appends
+
+MAX_CENTROIDS = 256  # codes are uint8
+
+
+@dataclasses.dataclass(frozen=True)
+class PQCacheConfig:
+    n_sub: int = 2
+    n_centroids: int = 64
+    kmeans_iters: int = 20
+    top_k: int = 100
+    sink: int = 4
+    local: int = 512
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("n_sub", "kmeans_iters", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PQCacheConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.n_centroids <= MAX_CENTROIDS:
+            raise ValueError(
+                f"PQCacheConfig.n_centroids must be in [1, {MAX_CENTROIDS}], got {self.n_centroids}")
+        for name in ("sink", "local"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"PQCacheConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PQCacheIndex:
+    """PQ index of one KV head's retrieval region; rows >= n are unused."""
+
+    centroids: jax.Array  # float32 [n_sub, n_centroids, d/n_sub], fixed after build
+    codes: jax.Array      # uint8 [cap, n_sub]
+    n: jax.Array          # int32 valid rows
+
+
+def index_bytes_per_key(cfg: PQCacheConfig, d: int) -> int:
+    """Per-key index memory: one uint8 code per subspace (the centroids are a fixed
+    n_sub·n_centroids·d/n_sub floats per head, not per key)."""
+    del d  # the codes do not depend on the head dim
+    return cfg.n_sub
+
+
+def _split(cfg: PQCacheConfig, x: jax.Array) -> jax.Array:
+    """x[..., d] → float32 [..., n_sub, d/n_sub]."""
+    d = x.shape[-1]
+    if d % cfg.n_sub:
+        raise ValueError(f"PQCacheConfig.n_sub={cfg.n_sub} must divide the head dim {d}")
+    return x.astype(jnp.float32).reshape(*x.shape[:-1], cfg.n_sub, d // cfg.n_sub)
+
+
+def _assign(parts: jax.Array, centroids: jax.Array) -> jax.Array:
+    """Nearest centroid per subspace: parts [N, S, e], centroids [S, C, e] → int32 [N, S]."""
+    # ‖x − c‖² = ‖x‖² − 2x·c + ‖c‖²; ‖x‖² does not change the argmin.
+    cross = jnp.einsum("nse,sce->nsc", parts, centroids, precision=jax.lax.Precision.HIGHEST)
+    dist = jnp.sum(centroids**2, axis=-1)[None] - 2 * cross
+    return jnp.argmin(dist, axis=-1).astype(jnp.int32)
+
+
+def _lloyd_step(parts, valid, centroids):
+    """One k-means iteration over the valid rows; empty clusters keep their centroid."""
+    onehot = jax.nn.one_hot(_assign(parts, centroids), centroids.shape[1]) * valid[:, None, None]
+    sums = jnp.einsum("nsc,nse->sce", onehot, parts, precision=jax.lax.Precision.HIGHEST)
+    counts = jnp.sum(onehot, axis=0)[..., None]
+    return jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), centroids)
+
+
+def kmeans(cfg: PQCacheConfig, keys: jax.Array, n) -> jax.Array:
+    """Per-subspace centroids [n_sub, n_centroids, d/n_sub] of the first n rows of keys.
+
+    Initialised at n_centroids distinct valid rows drawn with ``cfg.seed``; with
+    fewer valid rows than centroids the rows repeat (duplicates stay empty and unused).
+    """
+    parts = _split(cfg, keys)
+    valid = jnp.arange(keys.shape[0]) < n
+    noise = jax.random.uniform(jax.random.key(cfg.seed), (keys.shape[0],))
+    shuffled_valid_first = jnp.argsort(jnp.where(valid, noise, 2.0))
+    start_rows = shuffled_valid_first[jnp.arange(cfg.n_centroids) % jnp.maximum(n, 1)]
+    centroids = jnp.swapaxes(parts[start_rows], 0, 1)
+    return jax.lax.fori_loop(0, cfg.kmeans_iters,
+                             lambda _, c: _lloyd_step(parts, valid, c), centroids)
+
+
+def insert(cfg: PQCacheConfig, index: PQCacheIndex, keys_new: jax.Array, count) -> PQCacheIndex:
+    """Append the first ``count`` rows of keys_new[U, d], coded with the existing centroids.
+
+    Rows that would land at or beyond the capacity are dropped.
+    """
+    capacity = index.codes.shape[0]
+    codes = _assign(_split(cfg, keys_new), index.centroids).astype(jnp.uint8)
+    target, live = pariskv.append_targets(index.n, keys_new.shape[0], count, capacity)
+    return PQCacheIndex(
+        centroids=index.centroids,
+        codes=index.codes.at[target].set(codes, mode="drop"),
+        n=index.n + jnp.sum(live, dtype=jnp.int32),
+    )
+
+
+def build(cfg: PQCacheConfig, keys: jax.Array, n, key=None) -> PQCacheIndex:
+    """k-means on the first n rows of keys[cap, d] and their codes; capacity = keys.shape[0].
+
+    ``key`` is accepted for the common method interface and unused (``cfg.seed`` seeds k-means).
+    """
+    del key
+    centroids = kmeans(cfg, keys, n)
+    empty = PQCacheIndex(centroids=centroids,
+                         codes=jnp.zeros((keys.shape[0], cfg.n_sub), jnp.uint8),
+                         n=jnp.int32(0))
+    return insert(cfg, empty, keys, n)
+
+
+def scores(cfg: PQCacheConfig, index: PQCacheIndex, q: jax.Array) -> jax.Array:
+    """PQ score Σ_s q̄_s·centroid[s, code_s] per row, float32 [cap]; rows >= n get -inf."""
+    q_mean = jnp.mean(q.astype(jnp.float32), axis=0) if q.ndim == 2 else q.astype(jnp.float32)
+    table = jnp.einsum("se,sce->sc", _split(cfg, q_mean), index.centroids,
+                       precision=jax.lax.Precision.HIGHEST)
+    per_row = jnp.sum(table[jnp.arange(cfg.n_sub)[None, :], index.codes], axis=-1)
+    return jnp.where(jnp.arange(index.codes.shape[0]) < index.n, per_row, -jnp.inf)
+
+
+def retrieve(cfg: PQCacheConfig, index: PQCacheIndex, q: jax.Array) -> jax.Array:
+    """Row indices [min(top_k, cap)] with the best PQ scores (ties: lower row first)."""
+    k = min(cfg.top_k, index.codes.shape[0])
+    return pariskv.top_indices(scores(cfg, index, q), k)
+
+
+def select(cfg: PQCacheConfig, index: PQCacheIndex, q: jax.Array) -> common.Selection:
+    idx = retrieve(cfg, index, q)
+    return common.Selection(idx=idx, mask=idx < index.n)
+
+
+def correction(cfg, index, q, k_rows, selection):
+    """Top-k retrieval attends the selected keys as they are: no score correction."""
+    return None
+
+
+def attend(cfg: PQCacheConfig, q, keys, values, key=None):
+    """(output [G, d], keys read) over sink + local exactly and the PQ top-k of the rest."""
+    return common.attend_with_method(sys.modules[__name__], cfg, q, keys, values, key)

@@ -1,0 +1,147 @@
+"""RSQ-IP: Lloyd–Max levels of the Beta prior, 4-bit codes, calibrated inner products."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.attention import rsq
+
+# Jitted once per (m, levels), levels as hashable tuples: op-by-op dispatch
+# dominates these tests' time otherwise.
+_jitted_encode = jax.jit(rsq.encode, static_argnums=(2, 3, 4))
+_jitted_estimate = jax.jit(rsq.estimate, static_argnums=(4, 5))
+
+
+def _encode(y, key_norm, m, thresholds, centres):
+    return _jitted_encode(y, key_norm, m, tuple(thresholds), tuple(centres))
+
+
+def _estimate(packed, weight, q_rot, q_norm, m, centres):
+    return _jitted_estimate(packed, weight, q_rot, q_norm, m, tuple(centres))
+
+# DESIGN.md: converged Lloyd–Max levels of |u_j|, u uniform on S^7 (m = 8).
+CONVERGED_M8_THRESHOLDS = [0.0853, 0.1716, 0.2603, 0.3528, 0.4516, 0.5612, 0.6921]
+CONVERGED_M8_CENTRES = [0.0425, 0.1280, 0.2152, 0.3053, 0.4003, 0.5030, 0.6193, 0.7648]
+
+
+def test_m8_levels_match_converged_values_to_4_decimals():
+    thresholds, centres = rsq.lloyd_max_levels(8)
+    # "to 4 decimals": rounding the derived value gives the published one.
+    np.testing.assert_array_equal(np.round(thresholds, 4), CONVERGED_M8_THRESHOLDS)
+    np.testing.assert_array_equal(np.round(centres, 4), CONVERGED_M8_CENTRES)
+
+
+def test_m8_levels_within_5e3_of_official_table():
+    thresholds, centres = rsq.lloyd_max_levels(8)
+    np.testing.assert_allclose(thresholds, rsq.OFFICIAL_M8_THRESHOLDS, atol=5e-3)
+    np.testing.assert_allclose(centres, rsq.OFFICIAL_M8_CENTRES, atol=5e-3)
+
+
+def test_m3_prior_is_uniform_so_levels_are_the_uniform_quantiser():
+    # m = 3: |u_j| is uniform on [0, 1] (Archimedes), whose Lloyd–Max quantiser is exact.
+    thresholds, centres = rsq.lloyd_max_levels(3)
+    np.testing.assert_allclose(thresholds, np.arange(1, 8) / 8, atol=1e-10)
+    np.testing.assert_allclose(centres, (2 * np.arange(8) + 1) / 16, atol=1e-10)
+
+
+def _closed_form_centroid(lo, hi, m):
+    """Conditional mean of t on [lo, hi] under f(t) ∝ (1 − t²)^((m−3)/2), m ∈ {2, 5}."""
+    if m == 2:  # f ∝ 1/√(1 − t²)
+        return (np.sqrt(1 - lo**2) - np.sqrt(1 - hi**2)) / (np.arcsin(hi) - np.arcsin(lo))
+    assert m == 5  # f ∝ 1 − t²
+
+    def moment(t):
+        return t**2 / 2 - t**4 / 4
+
+    def mass(t):
+        return t - t**3 / 3
+
+    return (moment(hi) - moment(lo)) / (mass(hi) - mass(lo))
+
+
+@pytest.mark.parametrize("m", [2, 5])
+def test_levels_satisfy_lloyd_max_conditions_in_closed_form(m):
+    thresholds, centres = rsq.lloyd_max_levels(m)
+    edges = np.concatenate([[0.0], thresholds, [1.0]])
+    # Centres are the conditional means of their cells (closed form, no quadrature) and
+    # thresholds the midpoints; 1e-10 is far above float64 quadrature error (~1e-15).
+    np.testing.assert_allclose(centres, _closed_form_centroid(edges[:-1], edges[1:], m), atol=1e-10)
+    np.testing.assert_allclose(thresholds, (centres[:-1] + centres[1:]) / 2, atol=1e-10)
+
+
+def test_levels_need_m_at_least_2_and_official_table_needs_m8():
+    with pytest.raises(ValueError, match="m"):
+        rsq.lloyd_max_levels(1)
+    with pytest.raises(ValueError, match="official_levels"):
+        rsq.magnitude_levels(4, official=True)
+    np.testing.assert_array_equal(rsq.magnitude_levels(8, True)[1], rsq.OFFICIAL_M8_CENTRES)
+
+
+def test_nibble_packing_low_nibble_is_even_coordinate():
+    codes = jnp.asarray([[1, 2, 15, 0, 7, 9]], jnp.uint8)
+    packed = rsq.pack_nibbles(codes)
+    np.testing.assert_array_equal(packed, [[1 | 2 << 4, 15, 7 | 9 << 4]])
+    np.testing.assert_array_equal(rsq.unpack_nibbles(packed), codes)
+
+
+def _unit_rows(key, n, p):
+    y = jax.random.normal(key, (n, p))
+    return y / jnp.linalg.norm(y, axis=-1, keepdims=True)
+
+
+def test_codes_hold_sign_and_lloyd_max_cell_of_each_coordinate():
+    m, p = 8, 64
+    thresholds, centres = rsq.lloyd_max_levels(m)
+    y = _unit_rows(jax.random.key(0), 50, p)
+    packed, _ = _encode(y, jnp.ones(50), m, thresholds, centres)
+    codes = np.asarray(rsq.unpack_nibbles(packed))
+    blocks = np.asarray(y, np.float64).reshape(50, -1, m)
+    u = (blocks / np.linalg.norm(blocks, axis=-1, keepdims=True)).reshape(50, p)
+    np.testing.assert_array_equal(codes >> 3, (u < 0).astype(np.uint8))  # sign bit = negative
+    np.testing.assert_array_equal(codes & 7, np.searchsorted(thresholds, np.abs(u), side="right"))
+
+
+def test_estimate_is_exact_when_query_subspaces_are_parallel_to_the_key():
+    # With q_b = c_b·u_b the ratio ⟨v_b, q_b⟩/⟨v_b, u_b⟩ is c_b whatever the code v_b,
+    # so the calibrated estimate carries no quantisation error at all.
+    m, p, n = 8, 64, 40
+    thresholds, centres = rsq.lloyd_max_levels(m)
+    y = _unit_rows(jax.random.key(1), n, p)
+    c = jax.random.normal(jax.random.key(2), (n, p // m, 1))
+    q = (y.reshape(n, -1, m) * c).reshape(n, p)
+    packed, weight = _encode(y, 3.0 * jnp.ones(n), m, thresholds, centres)
+    got = jax.vmap(lambda pk, w, qq: _estimate(pk[None], w[None], qq, 2.0, m, centres)[0])(
+        packed, weight, q)
+    # float32 sums of 64 terms of size ≤ 6: 1e-5 relative is ample.
+    np.testing.assert_allclose(got, 3.0 * 2.0 * jnp.sum(y * q, axis=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_zero_subspace_gets_zero_weight_not_nan():
+    thresholds, centres = rsq.lloyd_max_levels(8)
+    y = jnp.zeros((1, 16)).at[0, 3].set(1.0)  # second subspace all zero
+    _, weight = _encode(y, jnp.ones(1), 8, thresholds, centres)
+    assert np.isfinite(np.asarray(weight)).all() and weight[0, 1] == 0.0
+
+
+@pytest.mark.parametrize("official", [False, True])
+def test_estimate_is_calibrated_and_highly_correlated_at_m8(official):
+    m, p, n = 8, 128, 20_000
+    thresholds, centres = rsq.magnitude_levels(m, official)
+    q = _unit_rows(jax.random.key(4), 1, p)[0]
+    # Keys with a spread of true inner products (cosines from −0.9 to 0.9 with q).
+    noise = _unit_rows(jax.random.key(5), n, p)
+    noise = noise - (noise @ q)[:, None] * q
+    noise = noise / jnp.linalg.norm(noise, axis=-1, keepdims=True)
+    cos = jnp.linspace(-0.9, 0.9, n)
+    y = cos[:, None] * q + jnp.sqrt(1 - cos**2)[:, None] * noise
+    packed, weight = _encode(y, jnp.ones(n), m, thresholds, centres)
+    est = np.asarray(_estimate(packed, weight, q, 1.0, m, centres), np.float64)
+    true = np.asarray(y @ q, np.float64)
+    err = est - true
+    assert np.corrcoef(est, true)[0, 1] > 0.95
+    # Unbiased: mean error within 4 standard errors of 0 ...
+    assert abs(err.mean()) < 4 * err.std() / np.sqrt(n)
+    # ... and no shrinkage: regressing est on true gives slope 1 (4 standard errors).
+    slope = np.polyfit(true, est, 1)[0]
+    slope_se = err.std() / (true.std() * np.sqrt(n))
+    assert abs(slope - 1) < 4 * slope_se
