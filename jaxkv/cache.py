@@ -35,6 +35,7 @@ from jaxkv.attention import common
 
 # name → (module, config class); imported on first use.
 METHODS = {
+    "hybrid": ("jaxkv.attention.hybrid", "HybridConfig"),
     "magicpig": ("jaxkv.attention.magicpig", "MagicPIGConfig"),
     "pariskv": ("jaxkv.attention.pariskv", "ParisKVConfig"),
     "pqcache": ("jaxkv.attention.pqcache", "PQCacheConfig"),
@@ -54,33 +55,6 @@ def method_config_class(name: str):
 
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
-
-
-# ----------------------------------------------------------------------------
-# Dense cache: one [B, capacity, Hkv, hd] buffer per layer.
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DenseKV:
-    k: jax.Array  # [B, capacity, Hkv, hd] (leading layer axis when stacked)
-    v: jax.Array
-
-
-def init_dense(config, batch: int, capacity: int, dtype) -> DenseKV:
-    """Stacked (leading layer axis) dense caches for every layer."""
-    shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
-    return DenseKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-
-
-def dense_attention(q, k, v, positions, state: DenseKV):
-    """Write k, v at their positions, then attend causally over the whole buffer."""
-    rows = jnp.arange(q.shape[0])[:, None]
-    state = DenseKV(k=state.k.at[rows, positions].set(k.astype(state.k.dtype)),
-                    v=state.v.at[rows, positions].set(v.astype(state.v.dtype)))
-    kv_positions = jnp.arange(state.k.shape[1], dtype=jnp.int32)
-    out = models.dense_causal_attention(q, state.k, state.v, positions, kv_positions)
-    return out, state
 
 
 # ----------------------------------------------------------------------------
@@ -378,26 +352,26 @@ class Backend:
     @property
     def attention(self):
         if self.method == "dense":
-            return dense_attention
+            return models.cached_attention
         sparse = functools.partial(region_attention, method=method_module(self.method),
                                    mcfg=self.method_config, ccfg=self.cache)
-        return tuple(dense_attention if l in self.dense_layers else sparse
+        return tuple(models.cached_attention if l in self.dense_layers else sparse
                      for l in range(self.num_layers))
 
-    def from_prefill(self, staging: DenseKV, lengths):
+    def from_prefill(self, staging: models.KVCache, lengths):
         if self.method == "dense":
             return staging
         return _regions_for_layers(self, staging, lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))
-def _regions_for_layers(backend: Backend, staging: DenseKV, lengths):
+def _regions_for_layers(backend: Backend, staging: models.KVCache, lengths):
     states = []
     base_key = jax.random.key(backend.seed)
     for layer in range(backend.num_layers):
         k, v = staging.k[layer], staging.v[layer]
         if layer in backend.dense_layers:
-            states.append(DenseKV(k=k, v=v))
+            states.append(models.KVCache(k=k, v=v))
         else:
             states.append(regions_from_prefill(
                 k, v, lengths, method=method_module(backend.method), mcfg=backend.method_config,

@@ -75,7 +75,7 @@ def _prefill_chunk(params, config, tokens, start, lengths, staging, last_hidden)
     b, c = tokens.shape
     positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
     hidden, staging = models.forward_hidden(
-        params, config, tokens, positions, staging, kvcache.dense_attention)
+        params, config, tokens, positions, staging, models.cached_attention)
     offset = lengths - 1 - start
     in_chunk = (offset >= 0) & (offset < c)
     picked = hidden[jnp.arange(b), jnp.clip(offset, 0, c - 1)]
@@ -94,7 +94,7 @@ def prefill(params, config, rows: Sequence[Sequence[int]], capacity: int, chunk:
     tokens = np.zeros((b, padded), np.int32)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
-    staging = kvcache.init_dense(config, b, max(capacity, padded), dtype)
+    staging = models.init_cache(config, b, max(capacity, padded), dtype)
     last_hidden = jnp.zeros((b, config.hidden_size), dtype)
     lengths_j = jnp.asarray(lengths)
     for start in range(0, padded, chunk):
@@ -109,7 +109,7 @@ class Prefilled:
     """Prompts prefilled once, reusable by several generate() calls (e.g. one per method)."""
 
     rows: list[list[int]]
-    staging: kvcache.DenseKV
+    staging: models.KVCache
     first_logits: jax.Array
     seconds: float
 

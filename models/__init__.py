@@ -8,6 +8,7 @@ from models.checkpoint import restore, save
 from models.config import ModelConfig
 from models.decoder import (
     KVCache,
+    cached_attention,
     dense_causal_attention,
     forward,
     forward_hidden,
@@ -23,7 +24,7 @@ from models.params import LayerParams, Params, init_params, param_shapes
 from models.tokenizer import Tokenizer
 
 __all__ = [
-    "KVCache", "LayerParams", "ModelConfig", "ModelError", "ModelNotFoundError", "Params", "Tokenizer",
+    "KVCache", "cached_attention", "LayerParams", "ModelConfig", "ModelError", "ModelNotFoundError", "Params", "Tokenizer",
     "default_model_path", "dense_causal_attention", "forward", "forward_hidden", "init_cache", "init_params",
     "lm_head", "load", "load_gguf", "load_hf", "param_shapes", "restore", "rms_norm", "save",
 ]

@@ -145,8 +145,8 @@ def forward(params: Params, config: ModelConfig, tokens, cache: KVCache | None =
         hidden, _ = forward_hidden(params, config, tokens, positions, (), _self_attention)
         return lm_head(params, config, hidden)
     _check_cache(cache, config, tokens.shape[0])
-    hidden, (k, v) = forward_hidden(params, config, tokens, positions, (cache.k, cache.v), _cached_attention)
-    return lm_head(params, config, hidden), KVCache(k=k, v=v)
+    hidden, cache = forward_hidden(params, config, tokens, positions, cache, cached_attention)
+    return lm_head(params, config, hidden), cache
 
 
 def _self_attention(q, k, v, positions, state):
@@ -154,9 +154,12 @@ def _self_attention(q, k, v, positions, state):
     return dense_causal_attention(q, k, v, positions, positions), state
 
 
-def _cached_attention(q, k, v, positions, layer_cache):
-    """Write this call's k, v at their positions, then attend the whole cache."""
-    cache_k, cache_v = layer_cache
+def cached_attention(q, k, v, positions, layer_cache: KVCache):
+    """Write this call's k, v at their positions, then attend the whole cache.
+
+    The attention step of one layer over its dense cache (leaves [B, max_len, Hkv, hd]).
+    """
+    cache_k, cache_v = layer_cache.k, layer_cache.v
 
     def write(cache_rows, pos, new):
         return cache_rows.at[pos].set(new.astype(cache_rows.dtype))
@@ -164,7 +167,7 @@ def _cached_attention(q, k, v, positions, layer_cache):
     cache_k = jax.vmap(write)(cache_k, positions, k)
     cache_v = jax.vmap(write)(cache_v, positions, v)
     kv_positions = jnp.arange(cache_k.shape[1], dtype=jnp.int32)
-    return dense_causal_attention(q, cache_k, cache_v, positions, kv_positions), (cache_k, cache_v)
+    return dense_causal_attention(q, cache_k, cache_v, positions, kv_positions), KVCache(k=cache_k, v=cache_v)
 
 
 def _layer(layer: LayerParams, config: ModelConfig, inv_freq, x, positions, state, attention):

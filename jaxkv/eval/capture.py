@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
-from jaxkv import cache as kvcache
 
 
 @dataclasses.dataclass
@@ -34,7 +33,7 @@ class Captured:
 def _capturing_attention(q, k, v, positions, state, *, first_query: int):
     """Dense attention that also records q at positions >= first_query."""
     kv, q_buf = state
-    out, kv = kvcache.dense_attention(q, k, v, positions, kv)
+    out, kv = models.cached_attention(q, k, v, positions, kv)
     slot = positions - first_query
     slot = jnp.where(slot >= 0, slot, q_buf.shape[1])  # out of range → dropped
     rows = jnp.arange(q.shape[0])[:, None]
@@ -57,7 +56,7 @@ def capture(params, config, tokens, n_queries: int = 64, chunk: int = 512) -> Ca
         raise ValueError(f"n_queries must be in [1, {n}] for a {n}-token text, got {n_queries}")
     padded = -(-n // chunk) * chunk
     dtype = jax.tree_util.tree_leaves(params)[0].dtype
-    kv = kvcache.init_dense(config, 1, padded, dtype)
+    kv = models.init_cache(config, 1, padded, dtype)
     q_buf = jnp.zeros((config.num_layers, 1, n_queries, config.num_heads, config.head_dim), dtype)
     state = (kv, q_buf)
     ids = np.zeros((1, padded), np.int32)
