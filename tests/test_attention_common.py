@@ -1,0 +1,75 @@
+"""Partial attention, log-sum-exp merge and finalize (jaxkv.attention.common) against float64 numpy."""
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from jaxkv.attention import common
+
+
+def softmax_attention_f64(q, k, v, log_weight=None, mask=None):
+    s = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T / np.sqrt(q.shape[-1])
+    if log_weight is not None:
+        s = s + log_weight
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True)) @ np.asarray(v, np.float64)
+
+
+def random_qkv(seed, g=3, n=40, d=16, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(g, d)).astype(np.float32) * scale,
+            rng.normal(size=(n, d)).astype(np.float32),
+            rng.normal(size=(n, d)).astype(np.float32))
+
+
+# float32 softmax and sums over ≤ 40 unit-scale terms: errors of a few ulps
+# of the O(1) outputs; 1e-5 leaves a margin of ~10×.
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("bounds", [(0, 40), (0, 10, 40), (0, 1, 17, 39, 40)])
+def test_merge_of_disjoint_parts_equals_full_attention(bounds):
+    q, k, v = random_qkv(0, scale=3.0)
+    parts = [common.partial_attention(q, k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    out = common.finalize(common.merge(*parts))
+    np.testing.assert_allclose(out, softmax_attention_f64(q, k, v), atol=TOL)
+
+
+def test_empty_partial_is_the_identity_of_merge():
+    q, k, v = random_qkv(1)
+    part = common.partial_attention(q, k, v)
+    merged = common.merge(common.empty_partial(3, 16), part, common.empty_partial(3, 16))
+    np.testing.assert_allclose(merged.o, part.o, rtol=1e-6)
+    np.testing.assert_allclose(merged.l, part.l, rtol=1e-6)
+
+
+def test_fully_masked_rows_finalize_to_zero_without_nan():
+    q, k, v = random_qkv(2)
+    mask = np.ones((3, 40), bool)
+    mask[1] = False
+    out = np.asarray(common.finalize(common.partial_attention(q, k, v, mask=mask)))
+    assert np.all(np.isfinite(out))
+    np.testing.assert_array_equal(out[1], 0.0)
+    np.testing.assert_allclose(out[[0, 2]], softmax_attention_f64(q, k, v)[[0, 2]], atol=TOL)
+
+
+def test_log_weight_is_added_to_the_scores():
+    q, k, v = random_qkv(3)
+    lw = np.random.default_rng(3).uniform(-5, 5, size=(3, 40)).astype(np.float32)
+    out = common.finalize(common.partial_attention(q, k, v, log_weight=lw))
+    np.testing.assert_allclose(out, softmax_attention_f64(q, k, v, log_weight=lw), atol=TOL)
+
+
+def test_huge_scores_stay_finite_and_exact():
+    # Scores of order 1e4: exp would overflow without the running max.
+    q, k, v = random_qkv(4, scale=3000.0)
+    out = common.finalize(common.merge(common.partial_attention(q, k[:20], v[:20]),
+                                       common.partial_attention(q, k[20:], v[20:])))
+    np.testing.assert_allclose(out, softmax_attention_f64(q, k, v), atol=TOL)
+
+
+def test_distinct_rows_counts_the_union_over_heads():
+    mask = jnp.array([[True, False, False, True], [True, True, False, False]])
+    sel = common.Selection(idx=jnp.arange(4), mask=mask)
+    assert int(sel.distinct_rows()) == 3
