@@ -132,3 +132,28 @@ def test_sampling_oracle_rejects_unknown_count_mode():
     q, k, v = peaked_qkv()
     with pytest.raises(ValueError, match="count"):
         oracles.sampling_oracle(q, k, v, 4, jax.random.key(0), count="unique")
+
+
+def test_masked_oracles_only_see_the_visible_keys():
+    """A causal mask hides keys completely: masked values (set huge here) never leak in."""
+    rng = np.random.default_rng(42)
+    n, visible, d = 200, 120, 16
+    q = jnp.asarray(rng.standard_normal((3, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    v = np.asarray(rng.standard_normal((n, d)), np.float32)
+    v[visible:] = 1e6
+    v = jnp.asarray(v)
+    mask = jnp.arange(n) < visible
+    top, read = oracles.topk_oracle(q, k, v, 30, mask=mask)
+    top_sub, read_sub = oracles.topk_oracle(q, k[:visible], v[:visible], 30)
+    np.testing.assert_allclose(np.asarray(top), np.asarray(top_sub), rtol=1e-6, atol=1e-6)
+    assert int(read) == int(read_sub)
+    bound = float(jnp.max(jnp.abs(v[:visible])))
+    for fn in (oracles.sampling_oracle, oracles.hybrid_oracle):
+        out, read = fn(q, k, v, 40, jax.random.key(0), mask=mask)
+        # Averages of visible values only: inside their range, far from 1e6.
+        assert float(jnp.max(jnp.abs(out))) <= bound + 1e-5
+        assert int(read) <= visible
+    # Fewer visible keys than the budget: TopK reads only the visible ones.
+    _, read = oracles.topk_oracle(q, k, v, 150, mask=mask)
+    assert int(read) == visible

@@ -49,8 +49,14 @@ def _distinct(read: jax.Array) -> jax.Array:
     return jnp.sum(jnp.any(read, axis=0).astype(jnp.int32))
 
 
-def _weights(q, k) -> jax.Array:
-    return jax.nn.softmax(common.scores(q, k), axis=-1)
+def _masked_scores(q, k, mask) -> jax.Array:
+    """Scores [G, N]; keys outside ``mask`` ([N] or [G, N]) at MASKED_SCORE (weight 0)."""
+    s = common.scores(q, k)
+    return s if mask is None else jnp.where(jnp.broadcast_to(mask, s.shape), s, common.MASKED_SCORE)
+
+
+def _weights(q, k, mask) -> jax.Array:
+    return jax.nn.softmax(_masked_scores(q, k, mask), axis=-1)
 
 
 def _top_mask(w: jax.Array, count: int) -> jax.Array:
@@ -65,14 +71,16 @@ def _top_mask(w: jax.Array, count: int) -> jax.Array:
 
 # Budgets and modes shape the computation: static, one compile per value.
 @functools.partial(jax.jit, static_argnames="budget")
-def topk_oracle(q, k, v, budget: int):
+def topk_oracle(q, k, v, budget: int, mask=None):
     """Exact attention over each query head's ``budget`` highest-scoring keys.
 
     Returns (out [G, d], n_read).
     """
     check_qkv(q, k, v)
     budget = min(_check_budget(budget), k.shape[0])
-    mask = _top_mask(common.scores(q, k), budget)
+    top = _top_mask(_masked_scores(q, k, mask), budget)
+    # Where fewer than `budget` keys are visible, the masked ones must not count.
+    mask = top if mask is None else top & jnp.broadcast_to(mask, top.shape)
     return common.finalize(common.partial_attention(q, k, v, mask)), _distinct(mask)
 
 
@@ -136,7 +144,8 @@ def _check_sampling(budget, count, max_draws) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "count", "max_draws"))
-def sampling_oracle(q, k, v, budget: int, key, *, count: str = "distinct", max_draws: int | None = None):
+def sampling_oracle(q, k, v, budget: int, key, *, count: str = "distinct", max_draws: int | None = None,
+                    mask=None):
     """Average of values drawn i.i.d. with replacement from the true weights.
 
     count="distinct": ``budget`` is the expected number of distinct keys per
@@ -146,12 +155,12 @@ def sampling_oracle(q, k, v, budget: int, key, *, count: str = "distinct", max_d
     """
     check_qkv(q, k, v)
     max_draws = _check_sampling(budget, count, max_draws)
-    mean, read = _sample_mean(_weights(q, k), v, budget, key, count, max_draws)
+    mean, read = _sample_mean(_weights(q, k, mask), v, budget, key, count, max_draws)
     return mean, _distinct(read)
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "max_draws"))
-def hybrid_oracle(q, k, v, budget: int, key, *, max_draws: int | None = None):
+def hybrid_oracle(q, k, v, budget: int, key, *, max_draws: int | None = None, mask=None):
     """Top ``budget // 2`` keys exactly, the rest of the budget sampled from the remaining weight.
 
     out = Σ_top w_i v_i + W_rest · mean(v over draws from w restricted to the
@@ -161,8 +170,10 @@ def hybrid_oracle(q, k, v, budget: int, key, *, max_draws: int | None = None):
     check_qkv(q, k, v)
     n_top = min(_check_budget(budget) // 2, k.shape[0])
     max_draws = _check_sampling(budget - n_top, "distinct", max_draws)
-    w = _weights(q, k)
+    w = _weights(q, k, mask)
     top = _top_mask(w, n_top)
+    if mask is not None:
+        top = top & jnp.broadcast_to(mask, top.shape)
     exact = jnp.einsum("gn,nd->gd", jnp.where(top, w, 0.0), v.astype(jnp.float32))
     rest = jnp.where(top, 0.0, w)
     mean, sampled = _sample_mean(rest, v, budget - n_top, key, "distinct", max_draws)

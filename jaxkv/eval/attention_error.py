@@ -9,8 +9,9 @@ error ‖ô − o‖/‖o‖ over all (layer, query head, position) rows for
 - the TopK, sampling and hybrid oracles at 1, 2, 4, 8, 16 % of the context,
 - MagicPIG at several (K, L), with and without key centring,
 
-against the distinct keys each one read (exact set included). MagicPIG and
-every index-based method run as in decoding (see :mod:`jaxkv.eval.decode_view`).
+against the distinct keys each one read (exact set included), per attention
+row (query head) as in the seed's study. MagicPIG and every index-based method
+run as in decoding (see :mod:`jaxkv.eval.decode_view`).
 Writes results.json, a markdown table and a PNG plot.
 """
 from __future__ import annotations
@@ -87,13 +88,27 @@ def _summarise(errors, reads, positions):
     return float(errors.mean()), float(errors.std(ddof=1) / np.sqrt(errors.size)), float(fractions.mean())
 
 
+def per_row_tensors(captured, layer: int):
+    """One layer's tensors with every query head as its own group of one.
+
+    Budgets are per attention row (query head), as in the seed's study: a head's
+    keys are its KV head's, and each head selects for itself. (ParisKV in
+    generate() shares one retrieval per KV head; the study measures the
+    estimator per row.) Returns keys, values [Hq, N, d] and queries [Hq, 1, Q, d].
+    """
+    g = captured.queries.shape[2]
+    keys = jnp.repeat(jnp.asarray(captured.keys[layer]), g, axis=0)
+    values = jnp.repeat(jnp.asarray(captured.values[layer]), g, axis=0)
+    q = jnp.asarray(captured.queries[layer])
+    return keys, values, q.reshape(q.shape[0] * g, 1, *q.shape[2:])
+
+
 def study(captured, *, budgets=BUDGETS, magicpig_settings=MAGICPIG_SETTINGS, seed=0, log=print):
     """All rows of the study for a :class:`jaxkv.eval.capture.Captured`."""
     n = captured.keys.shape[2]
     positions = jnp.asarray(captured.query_positions)
     layers = range(captured.num_layers)
-    tensors = [tuple(jnp.asarray(x[l]) for x in (captured.keys, captured.values, captured.queries))
-               for l in layers]
+    tensors = [per_row_tensors(captured, l) for l in layers]
     rows = []
     for name in ORACLES:
         for fraction in budgets:
