@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 import models
 from jaxkv.attention import common
+from pallas_kernels import dispatch
 
 # name → (module, config class); imported on first use.
 METHODS = {
@@ -268,14 +269,27 @@ def _retrieval_dense(q, state: RegionKV, ccfg):
 
 
 def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
-    """The method's estimate over the retrieval region: select, gather, correct, attend."""
+    """The method's estimate over the retrieval region: select, gather, correct, attend.
+
+    With the retrieval region on the device and a method config whose
+    ``uses_kernels()`` holds, the attention runs in the gather-attention kernel;
+    host-offloaded rows are gathered on the host side first and attended by XLA.
+    """
     sel = _vmap2(lambda ix, qq: method.select(mcfg, ix, qq))(state.index, q)
+    # Only a correction needs k_rows on the kernel path; XLA drops the gather otherwise.
     k_rows = gather_rows(state.retr_k, sel.idx, ccfg)
-    v_rows = gather_rows(state.retr_v, sel.idx, ccfg)
     log_weight = _vmap2(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s))(
         state.index, q, k_rows, sel)
     sel = dataclasses.replace(sel, log_weight=log_weight)
-    part = _vmap2(common.attend_selection)(q, k_rows, v_rows, sel)
+    if not ccfg.offload and getattr(mcfg, "uses_kernels", lambda: False)():
+        # The kernel gathers rows of the device-resident region itself: no copy of V.
+        def one_row(q, k, v, idx, mask, log_weight):
+            return dispatch.gather_attention_heads(q, k, v, idx, mask, log_weight, **mcfg.kernel_options())
+
+        o, l, m = jax.vmap(one_row)(q, state.retr_k, state.retr_v, sel.idx, sel.mask, sel.log_weight)
+        part = common.Partial(o=o, l=l, m=m)
+    else:
+        part = _vmap2(common.attend_selection)(q, k_rows, gather_rows(state.retr_v, sel.idx, ccfg), sel)
     reads = jnp.mean(_vmap2(lambda s: s.distinct_rows())(sel).astype(jnp.float32), axis=1)
     return part, reads
 

@@ -124,6 +124,9 @@ def vote(signs, lut, n_valid=None, *, capacity: int,
         name="vote_totals",
     )(n_valid, signs_p, lut.astype(jnp.int32).reshape(-1))
     threshold, n_ties = _threshold(jnp.sum(hist, axis=0), capacity)
+    # compact() needs a multiple of its block; −1 (an invalid row's total) is never selected.
+    compact_block = min(1024, n_pad)
+    totals = _common.pad_axis(totals, _common.round_up(n_pad, compact_block), 0, value=-1)
     idx, votes, mask, _ = compact(totals, threshold, n_ties, capacity=capacity,
-                                  block=min(1024, n_pad), interpret=interpret)
+                                  block=compact_block, interpret=interpret)
     return Candidates(idx=idx, mask=mask, votes=votes)

@@ -40,6 +40,14 @@ def test_kernel_matches_reference(seed, n, n_subspaces, capacity_frac, valid_fra
                  vote_reference(signs, lut, n_valid, capacity=capacity))
 
 
+@pytest.mark.parametrize("n", [1300, 2100])
+def test_kernel_matches_reference_past_one_compact_block(n):
+    """N > 1024 and not a multiple of 1024: the compaction pads to whole blocks."""
+    signs, lut = _problem(7, n, 8)
+    _assert_same(vote(signs, lut, n - 5, capacity=n // 10, interpret=INTERPRET),
+                 vote_reference(signs, lut, n - 5, capacity=n // 10))
+
+
 def test_reference_is_stable_sort():
     """The candidates are the first C keys ordered by (votes descending, key id ascending)."""
     n, capacity, n_valid = 500, 120, 430

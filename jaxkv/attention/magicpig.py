@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.attention import common
+from pallas_kernels import dispatch
 
 # Public entry points compile once per (config, shapes); the config is static.
 _jit_with_static_cfg = functools.partial(jax.jit, static_argnames="cfg")
@@ -78,6 +79,9 @@ TAIL_TERMS = 32
 # Lower bound on log u for a sampled key. Only reachable where the hash and the
 # angle formula disagree (rounding at θ ≈ π); keeps −log u finite in float32.
 LOG_U_FLOOR = math.log(jnp.finfo(jnp.float32).tiny)
+# cfg.kernels → pallas_kernels.dispatch's use_kernel: None = the kernel iff the
+# backend is a GPU; "interpret" runs the kernel in Pallas interpret mode (CPU tests).
+KERNEL_MODES = {"auto": None, "xla": False, "pallas": True, "interpret": True}
 
 
 def _is_int(x) -> bool:
@@ -101,6 +105,9 @@ class MagicPIGConfig:
     dense_layers: layers that stay dense (used by generate()).
     center: subtract the retrieval-region mean from keys before hashing.
     seed: folded into the per-layer PRNG key that draws the projection.
+    kernels: "auto" (Pallas kernels iff the backend is a GPU), "xla" (never),
+        "pallas" (always, compiled) or "interpret" (always, Pallas interpret
+        mode). Hashing and candidate selection give the same result either way.
     """
 
     K: int = 10
@@ -113,6 +120,7 @@ class MagicPIGConfig:
     candidate_capacity: int | float = 0.5
     center: bool = True
     seed: int = 0
+    kernels: str = "auto"
 
     def __post_init__(self):
         def bad(field, rule):
@@ -147,6 +155,16 @@ class MagicPIGConfig:
             bad("candidate_capacity", "must be an int >= 1 or a float > 0")
         if not isinstance(self.center, bool):
             bad("center", "must be a bool")
+        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_MODES:
+            bad("kernels", f"must be one of {tuple(KERNEL_MODES)}")
+
+    def kernel_options(self) -> dict:
+        """Keyword arguments selecting the path of a ``pallas_kernels.dispatch`` call."""
+        return dict(use_kernel=KERNEL_MODES[self.kernels], interpret=self.kernels == "interpret")
+
+    def uses_kernels(self) -> bool:
+        """Whether this config runs the Pallas kernels on the current backend."""
+        return dispatch.kernel_path(**self.kernel_options())
 
     def sample_capacity(self, n_keys: int) -> int:
         """Static number of sampled-key slots for a retrieval capacity of n_keys."""
@@ -198,6 +216,10 @@ def hash_codes(cfg: MagicPIGConfig, projection: jax.Array, x: jax.Array) -> jax.
     if projection.shape != (x.shape[-1], cfg.K * cfg.L):
         raise ValueError(
             f"projection must be [d={x.shape[-1]}, K*L={cfg.K * cfg.L}], got shape {projection.shape}")
+    if cfg.uses_kernels():
+        flat = x.reshape(-1, x.shape[-1])
+        codes = dispatch.simhash(flat, projection, n_bits=cfg.K, **cfg.kernel_options())
+        return codes.reshape(*x.shape[:-1], cfg.L)
     # HIGHEST: the sign of a near-zero projection must not depend on TF32 defaults.
     proj = jnp.einsum("...d,dh->...h", x.astype(jnp.float32), projection, precision=lax.Precision.HIGHEST)
     bits = (proj > 0).reshape(*x.shape[:-1], cfg.L, cfg.K).astype(jnp.uint32)
@@ -355,7 +377,12 @@ def _query_buckets(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array):
     Tables are read in order while the running total of entries fits in the
     candidate capacity; shapes [G, L], [G, L], [G, L], [G].
     """
-    codes = hash_codes(cfg, index.projection, q).astype(jnp.int32)
+    return _code_buckets(cfg, index, hash_codes(cfg, index.projection, q))
+
+
+def _code_buckets(cfg: MagicPIGConfig, index: MagicPIGIndex, codes: jax.Array):
+    """:func:`_query_buckets` for the query codes [G, L]."""
+    codes = codes.astype(jnp.int32)
     tables = jnp.arange(cfg.L)[None, :]
     lo = index.bucket_starts[tables, codes]
     sizes = index.bucket_starts[tables, codes + 1] - lo
@@ -398,15 +425,37 @@ def _head_samples(cfg, sorted_ids, lo, sizes, running, read, capacity):
     return _compact(cand, first & (later == cand) & (cand < cap), capacity, cap)
 
 
+def _head_samples_kernel(cfg, index, codes, tables_used, capacity):
+    """:func:`_head_samples` by the collide kernel: the same ids and count.
+
+    The kernel reads every table's bucket (up to a static bucket capacity); the
+    tables this head does not read get empty buckets (all starts 0), and no
+    table it reads holds more entries than the candidate capacity, which is
+    therefore the bucket capacity: nothing is truncated.
+    """
+    cap = index.sorted_ids.shape[1]
+    read_table = (jnp.arange(cfg.L) < tables_used)[:, None]
+    found = dispatch.collide(
+        codes, index.sorted_ids, jnp.where(read_table, index.bucket_starts, 0), capacity=capacity,
+        bucket_capacity=cfg.candidate_entries(cap), min_hits=cfg.min_hits, **cfg.kernel_options())
+    n_found = jnp.sum(found.mask, dtype=jnp.int32)
+    return jnp.where(found.mask, found.idx, cap), n_found + found.overflow
+
+
 @_jit_with_static_cfg
 def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array):
     """:func:`select` plus what overflowed (:class:`SelectStats`)."""
     cap = index.sorted_ids.shape[1]
     capacity = cfg.sample_capacity(cap)
-    lo, sizes, running, tables_used = _query_buckets(cfg, index, q)
+    codes = hash_codes(cfg, index.projection, q)
+    lo, sizes, running, tables_used = _code_buckets(cfg, index, codes)
     read = _entries_read(running, tables_used)
-    per_head, n_sampled = jax.vmap(
-        lambda *a: _head_samples(cfg, index.sorted_ids, *a, capacity))(lo, sizes, running, read)
+    if cfg.uses_kernels():
+        per_head, n_sampled = jax.vmap(
+            lambda c, t: _head_samples_kernel(cfg, index, c, t, capacity))(codes, tables_used)
+    else:
+        per_head, n_sampled = jax.vmap(
+            lambda *a: _head_samples(cfg, index.sorted_ids, *a, capacity))(lo, sizes, running, read)
     flat = jnp.sort(per_head.reshape(-1))
     first = flat != jnp.concatenate([jnp.full((1,), -1, flat.dtype), flat[:-1]])
     union, n_union = _compact(flat, first & (flat < cap), capacity, cap)

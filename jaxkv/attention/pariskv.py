@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.attention import common, rsq
+from pallas_kernels import dispatch
 
 TIER_FRACTIONS = (0.05, 0.15, 0.30, 0.50, 0.75, 1.0)
 N_TIERS = len(TIER_FRACTIONS)
@@ -46,11 +47,19 @@ LENGTH_ADAPTIVE_RATIOS = (
     (math.inf, 0.1, 0.2),
 )
 MAX_M = 8  # bucket ids are uint8 and the vote table has 2^m columns
+# cfg.kernels → pallas_kernels.dispatch's use_kernel: None = the kernel iff the
+# backend is a GPU; "interpret" runs the kernel in Pallas interpret mode (CPU tests).
+KERNEL_MODES = {"auto": None, "xla": False, "pallas": True, "interpret": True}
 
 
 @dataclasses.dataclass(frozen=True)
 class ParisKVConfig:
-    """Static ParisKV settings (official defaults); dense_layers: layers the cache keeps dense."""
+    """Static ParisKV settings (official defaults); dense_layers: layers the cache keeps dense.
+
+    kernels: "auto" (Pallas kernels iff the backend is a GPU), "xla" (never),
+    "pallas" (always, compiled) or "interpret" (always, Pallas interpret mode)
+    for the coarse vote, the rerank and the cache's gather-attention.
+    """
 
     m: int = 8
     top_k: int = 100
@@ -62,6 +71,7 @@ class ParisKVConfig:
     official_levels: bool = False  # True: the official m=8 Lloyd–Max table
     seed: int = 0
     dense_layers: tuple = ()
+    kernels: str = "auto"
 
     def __post_init__(self):
         if not 2 <= self.m <= MAX_M:
@@ -79,6 +89,16 @@ class ParisKVConfig:
             raise ValueError(f"ParisKVConfig.official_levels needs m=8, got m={self.m}")
         if not isinstance(self.dense_layers, tuple):
             raise ValueError(f"ParisKVConfig.dense_layers must be a tuple, got {self.dense_layers!r}")
+        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_MODES:
+            raise ValueError(f"ParisKVConfig.kernels must be one of {tuple(KERNEL_MODES)}, got {self.kernels!r}")
+
+    def kernel_options(self) -> dict:
+        """Keyword arguments selecting the path of a ``pallas_kernels.dispatch`` call."""
+        return dict(use_kernel=KERNEL_MODES[self.kernels], interpret=self.kernels == "interpret")
+
+    def uses_kernels(self) -> bool:
+        """Whether this config runs the Pallas kernels on the current backend."""
+        return dispatch.kernel_path(**self.kernel_options())
 
 
 @jax.tree_util.register_dataclass
@@ -284,6 +304,9 @@ def _query(cfg: ParisKVConfig, q: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _rerank(cfg, index, q_rot, q_norm, candidate_idx):
     _, centres = _levels(cfg)
+    if cfg.uses_kernels():
+        return dispatch.rsq_rerank(q_rot, q_norm, index.codes, index.weight, jnp.asarray(centres, jnp.float32),
+                                   candidate_idx, **cfg.kernel_options())
     return rsq.estimate(index.codes[candidate_idx], index.weight[candidate_idx],
                         q_rot, q_norm, cfg.m, centres)
 
@@ -318,11 +341,29 @@ def top_indices(values: jax.Array, k: int) -> jax.Array:
     return best_blocks[within // SELECTION_BLOCK] * SELECTION_BLOCK + within % SELECTION_BLOCK
 
 
+def _kernel_candidates(cfg, index, q_rot, count):
+    """:func:`_coarse_candidates` by the vote kernel: the same rows in the same order.
+
+    The kernel lists the best keys in ascending id (ties to the lower id, as
+    lax.top_k); a stable sort by votes restores top_k's order. When fewer than
+    ``count`` keys are valid, all valid keys are taken and top_k fills slot j
+    with the invalid row j (rows n, n+1, … by lowest total −1, lowest id).
+    """
+    capacity = index.signs.shape[0]
+    table = vote_table(cfg, q_rot, index.n, index.bucket_counts, capacity)
+    found = dispatch.vote(index.signs, table, index.n, capacity=count, **cfg.kernel_options())
+    order = jnp.argsort(-jnp.where(found.mask, found.votes, -1), stable=True)
+    return jnp.where(found.mask, found.idx, jnp.arange(count))[order]
+
+
 def _coarse_candidates(cfg, index, q_rot):
+    count = n_candidates(cfg, index.signs.shape[0])
+    if cfg.uses_kernels():
+        return _kernel_candidates(cfg, index, q_rot, count)
     # float32 is exact for votes (≤ 6·B) and XLA CPU's top_k is ~4× faster on it
     # than on int32 (measured: 123 vs 452 ms, k = 100K of 1M tied vote totals).
     votes = coarse_votes(cfg, index, q_rot).astype(jnp.float32)
-    return top_indices(votes, n_candidates(cfg, index.signs.shape[0]))
+    return top_indices(votes, count)
 
 
 def coarse_candidates(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array) -> jax.Array:
