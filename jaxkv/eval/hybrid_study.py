@@ -1,0 +1,359 @@
+"""The hybrid study: ParisKV head + MagicPIG tail vs its parts and the hybrid oracle.
+
+    jaxkv eval hybrid [--tokens 8000] [--queries 64] [--sweep-layers 1,8,15,22,29] [--layers all]
+                      [--capture-cache FILE.npz] [--out results/hybrid]
+
+On SmolLM2's captured K/V/Q (8k-token Wikipedia context, every layer and KV
+head, the last ``queries`` positions, decode view of :mod:`jaxkv.eval.decode_view`)
+and at budgets of 2, 4 and 8 % of the context (distinct keys read per KV head,
+the exact sink + local + buffer set included; sink 4 + local 64 for every
+sparse method so budgets compare):
+
+1. sweep, on ``--sweep-layers`` only (CPU time): MagicPIG (K, L) and hybrid
+   (top_k, K, L) settings; each one's best setting per budget is the lowest
+   error among those reading at most the budget. ParisKV is not swept: its
+   best setting is the largest top_k that fits (more exact keys, less error);
+2. final, on ``--layers`` (default every layer): those best settings and the hybrid
+   oracle (top half exact, rest sampled from the true weights) with the budget per
+   query head (attention_error's convention: the group of G heads reads up to G×)
+   and per group (budget/G per head, so the group reads at most the budget).
+
+Writes sweep.json, results.json, table.md and error_vs_budget.png under ``--out``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.attention import hybrid, magicpig, oracles, pariskv
+from jaxkv.eval import attention_error, decode_view
+
+BUDGETS = (0.02, 0.04, 0.08)
+SINK, LOCAL = 4, 64
+# Tail LSH settings: larger K samples fewer keys. MagicPIG alone sweeps them all.
+TAIL_SETTINGS = ((14, 100), (13, 150), (13, 100), (12, 150), (12, 100), (11, 150), (11, 100), (10, 150), (10, 120))
+# Head share of the retrieval budget tried for the hybrid (the tail gets the rest).
+HEAD_SHARES = (0.25, 0.5, 0.75)
+MASK_SCORE = -1e6  # extra-coordinate score of a key hidden from the oracle (exp underflows to 0)
+
+
+@dataclasses.dataclass
+class Result:
+    method: str
+    setting: str
+    budget: float | None  # the budget it was chosen for (None: sweep only)
+    layers: str  # the layers it ran on ("all" or a list)
+    keys_read_fraction: float
+    error: float
+    error_sem: float
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def _magicpig_config(k_bits, tables):
+    # Room for the samples; 2 × capacity inverted-index entries per query head (tables
+    # beyond it are not read and u uses the tables read, so the estimator stays consistent).
+    return magicpig.MagicPIGConfig(K=k_bits, L=tables, sink=SINK, local=LOCAL, capacity=0.25,
+                                   candidate_capacity=2.0)
+
+
+def _hybrid_config(top_k, k_bits, tables):
+    return hybrid.HybridConfig(top_k=top_k, K=k_bits, L=tables, sink=SINK, local=LOCAL,
+                               capacity=0.25, candidate_capacity=2.0)
+
+
+def retrieval_keys(fraction: float, n: int, n_queries: int) -> int:
+    """Retrieval-region keys a method may read at this budget: the budget minus the mean exact set."""
+    mean_exact = SINK + LOCAL + (n_queries + 1) / 2  # the buffer holds 1..Q decode tokens
+    return max(1, math.floor(fraction * n - mean_exact))
+
+
+def _hidden_by_extra_coordinate(q, k, v, visible):
+    """(q', k', v') over d + 1 coordinates with q'·k'/√(d+1) = q·k/√d on visible keys and ≈ −1.2e5 elsewhere.
+
+    The oracles take no mask; causality is imposed through the scores instead.
+    """
+    d = q.shape[-1]
+    q1 = jnp.concatenate([q * math.sqrt((d + 1) / d), jnp.ones((q.shape[0], 1), q.dtype)], axis=1)
+    k1 = jnp.concatenate([k, jnp.where(visible, 0.0, MASK_SCORE)[:, None].astype(k.dtype)], axis=1)
+    return q1, k1, jnp.pad(v, ((0, 0), (0, 1)))
+
+
+@functools.partial(jax.jit, static_argnames=("budget",))
+def _hybrid_oracle_layer(budget, keys, values, queries, positions, key):
+    """[H, G, Q] errors and [H, Q] distinct keys read of the hybrid oracle on one layer."""
+    n, d = keys.shape[1], keys.shape[2]
+
+    def head(k, v, qs, hkey):
+        def one(q, t, qkey):
+            out, read = oracles.hybrid_oracle(*_hidden_by_extra_coordinate(q, k, v, jnp.arange(n) <= t),
+                                              budget, qkey)
+            return out[:, :d], read
+        return jax.vmap(one, in_axes=(1, 0, 0), out_axes=(1, 0))(
+            qs, positions, jax.random.split(hkey, positions.shape[0]))
+
+    out, read = jax.vmap(head)(keys, values, queries, jax.random.split(key, keys.shape[0]))
+    truth = jax.vmap(decode_view.dense_truth, in_axes=(0, 0, 0, None))(keys, values, queries, positions)
+    return decode_view.relative_error(out, truth), read
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_queries"))
+def _hybrid_reads_layer(cfg, keys, queries, n_queries, key):
+    """Mean ReadStats of the hybrid over one layer's KV heads and query positions."""
+    n = keys.shape[1]
+    start, end = SINK, n - n_queries - LOCAL
+
+    def head(k, qs):
+        index = hybrid.build(cfg, k[start:end], jnp.int32(end - start), key)
+
+        def one(q):
+            return hybrid.read_stats(cfg, index, q, hybrid.select(cfg, index, q))
+        return jax.vmap(one, in_axes=1)(qs)
+
+    stats = jax.vmap(head)(keys, queries)
+    return jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32)), stats)
+
+
+def _tensors(captured, layers):
+    return [(l, *(jnp.asarray(x[l]) for x in (captured.keys, captured.values, captured.queries)))
+            for l in layers]
+
+
+def _run_method(module, cfg, tensors, positions, seed):
+    errs, reads, retrieved = [], [], []
+    for l, k, v, q in tensors:
+        # attention_error's per-layer evaluation, shared so both studies measure alike.
+        e, r, got = attention_error._method_layer(module, cfg, k, v, q, positions,
+                                                  jax.random.fold_in(jax.random.key(seed), l))
+        errs.append(np.asarray(e))
+        reads.append(np.asarray(r))
+        retrieved.append(np.asarray(got))
+    err, sem, frac = attention_error._summarise(errs, reads, np.asarray(positions))
+    return err, sem, frac, float(np.mean(np.concatenate([g.reshape(-1) for g in retrieved])))
+
+
+def _run_oracle(budget_keys, tensors, positions, seed):
+    errs, reads = [], []
+    for l, k, v, q in tensors:
+        e, r = _hybrid_oracle_layer(budget_keys, k, v, q, positions, jax.random.key(seed * 1000 + l))
+        errs.append(np.asarray(e))
+        reads.append(np.asarray(r))
+    return attention_error._summarise(errs, reads, np.asarray(positions))
+
+
+def _setting(method, cfg) -> str:
+    if method == "pariskv":
+        return f"top_k={cfg.top_k}"
+    if method == "magicpig":
+        return f"K{cfg.K}L{cfg.L}"
+    return f"top_k={cfg.top_k} K{cfg.K}L{cfg.L}"
+
+
+MODULES = {"pariskv": pariskv, "magicpig": magicpig, "hybrid": hybrid}
+
+
+def sweep(captured, layers, *, seed=0, log=print):
+    """(method, cfg, read fraction, error, retrieval rows read) for every swept setting, on ``layers``."""
+    n, n_queries = captured.keys.shape[2], captured.queries.shape[3]
+    positions = jnp.asarray(captured.query_positions)
+    tensors = _tensors(captured, layers)
+    runs = []
+
+    def run(method, cfg):
+        t0 = time.time()
+        err, sem, frac, got = _run_method(MODULES[method], cfg, tensors, positions, seed)
+        runs.append((method, cfg, frac, err, got))
+        log(f"sweep {method:>8} {_setting(method, cfg):>22}: read {frac:.2%} "
+            f"(retrieval rows {got:.0f}), error {err:.4f}  [{time.time() - t0:.0f} s]")
+        return got
+
+    tail_rows = {}
+    for k_bits, tables in TAIL_SETTINGS:
+        tail_rows[(k_bits, tables)] = run("magicpig", _magicpig_config(k_bits, tables))
+    tried = set()
+    for fraction in BUDGETS:
+        room = retrieval_keys(fraction, n, n_queries)
+        for share in HEAD_SHARES:
+            # The tail setting whose MagicPIG sample best fills the rest of the room.
+            tail_room = room * (1 - share)
+            fits = [s for s, rows in tail_rows.items() if rows <= tail_room]
+            if not fits:
+                continue
+            k_bits, tables = max(fits, key=lambda s: tail_rows[s])
+            top_k = max(1, math.floor(room - tail_rows[(k_bits, tables)]))
+            if (top_k, k_bits, tables) not in tried:
+                tried.add((top_k, k_bits, tables))
+                run("hybrid", _hybrid_config(top_k, k_bits, tables))
+    return runs
+
+
+def best_per_budget(runs, n, n_queries):
+    """{(method, budget): cfg} the lowest-error setting reading at most the budget."""
+    best = {}
+    for fraction in BUDGETS:
+        best[("pariskv", fraction)] = pariskv.ParisKVConfig(
+            top_k=retrieval_keys(fraction, n, n_queries), sink=SINK, local=LOCAL)
+        for method in ("magicpig", "hybrid"):
+            fits = [r for r in runs if r[0] == method and r[2] <= fraction]
+            if fits:
+                best[(method, fraction)] = min(fits, key=lambda r: r[3])[1]
+    return best
+
+
+def final(captured, best, layers, *, seed=0, log=print):
+    """Results on ``layers`` for the chosen settings and the hybrid oracle."""
+    n, g = captured.keys.shape[2], captured.queries.shape[2]
+    positions = jnp.asarray(captured.query_positions)
+    tensors = _tensors(captured, layers)
+    label = "all" if len(layers) == captured.num_layers else ",".join(map(str, layers))
+    results = []
+    for fraction in BUDGETS:
+        # The oracle's budget is per query head (as in attention_error), so the group
+        # reads up to G times it; the budget split over the G heads bounds the group's reads.
+        for per, budget_keys in (("query head", round(fraction * n)), ("group", round(fraction * n / g))):
+            t0 = time.time()
+            err, sem, frac = _run_oracle(max(1, budget_keys), tensors, positions, seed)
+            results.append(Result("hybrid oracle", f"{budget_keys} keys per {per}", fraction, label, frac, err, sem))
+            log(f"final hybrid oracle {fraction:.0%} per {per}: read {frac:.2%}, error {err:.4f}  "
+                f"[{time.time() - t0:.0f} s]")
+        for method in MODULES:
+            cfg = best.get((method, fraction))
+            if cfg is None:
+                log(f"final {method} {fraction:.0%}: no swept setting fits the budget")
+                continue
+            t0 = time.time()
+            err, sem, frac, got = _run_method(MODULES[method], cfg, tensors, positions, seed)
+            results.append(Result(method, _setting(method, cfg), fraction, label, frac, err, sem,
+                                  {"retrieval_rows_read": got}))
+            log(f"final {method:>13} {fraction:.0%} {_setting(method, cfg):>22}: read {frac:.2%}, "
+                f"error {err:.4f}  [{time.time() - t0:.0f} s]")
+    return results
+
+
+def hybrid_reads(captured, best, layers, seed=0):
+    """{budget: mean ReadStats as a dict} of the chosen hybrid settings on ``layers``."""
+    n_queries = captured.queries.shape[3]
+    out = {}
+    for fraction in BUDGETS:
+        cfg = best.get(("hybrid", fraction))
+        if cfg is None:
+            continue
+        per_layer = [_hybrid_reads_layer(cfg, jnp.asarray(captured.keys[l]), jnp.asarray(captured.queries[l]),
+                                         n_queries, jax.random.fold_in(jax.random.key(seed), l))
+                     for l in layers]
+        out[fraction] = {f.name: float(np.mean([getattr(s, f.name) for s in per_layer]))
+                         for f in dataclasses.fields(hybrid.ReadStats)}
+    return out
+
+
+def markdown(results, reads) -> str:
+    lines = ["| budget | method | best setting | keys read (% of context) | mean relative error ± s.e. |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.budget:.0%} | {r.method} | {r.setting} | {r.keys_read_fraction:.2%} | "
+                     f"{r.error:.4f} ± {r.error_sem:.4f} |")
+    if reads:
+        lines += ["", "| budget | head rows | tail rows | head index bytes | tail index bytes |",
+                  "|---|---|---|---|---|"]
+        for fraction, s in reads.items():
+            lines.append(f"| {fraction:.0%} | {s['head_rows']:.1f} | {s['tail_rows']:.1f} | "
+                         f"{s['head_index_bytes']:.0f} | {s['tail_index_bytes']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(results, runs, path: Path, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, marker in (("hybrid oracle", "o"), ("pariskv", "s"), ("magicpig", "^"), ("hybrid", "D")):
+        pts = sorted((r.keys_read_fraction * 100, r.error) for r in results if r.method == method)
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=f"{method} (final layers, best per budget)")
+    swept = [(r[2] * 100, r[3]) for r in runs if r[0] == "hybrid"]
+    if swept:
+        ax.scatter(*zip(*swept), marker="x", color="grey", label="hybrid settings swept (sweep layers)")
+    for fraction in BUDGETS:
+        ax.axvline(fraction * 100, color="k", lw=0.5, ls=":")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("distinct keys read per KV head (% of context, exact set included)")
+    ax.set_ylabel("mean ‖ô − o‖ / ‖o‖")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def load_or_capture(args):
+    """The captured tensors, from ``args.capture_cache`` when it exists (written after a capture)."""
+    from jaxkv.eval import capture as capture_mod
+
+    cache = Path(args.capture_cache) if args.capture_cache else None
+    if cache is not None and cache.exists():
+        with np.load(cache) as z:
+            return capture_mod.Captured(**{name: z[name] for name in z.files})
+    import models
+    from jaxkv.eval import text
+
+    config, params, tokenizer = models.load(Path(args.model) if args.model else models.default_model_path())
+    _, ids = text.long_text(tokenizer, args.tokens, seed=args.seed)
+    captured = capture_mod.capture(params, config, list(ids)[: args.tokens], n_queries=args.queries)
+    if cache is not None:
+        tmp = cache.with_suffix(".partial.npz")
+        np.savez(tmp, **dataclasses.asdict(captured))
+        tmp.replace(cache)
+    return captured
+
+
+def _layer_list(text: str, num_layers: int, flag: str) -> list[int]:
+    if text == "all":
+        return list(range(num_layers))
+    layers = [int(x) for x in text.split(",") if x.strip()]
+    bad = [l for l in layers if not 0 <= l < num_layers]
+    if bad or not layers:
+        raise ValueError(f"{flag} {text!r}: layers must be 'all' or a list in 0..{num_layers - 1}")
+    return layers
+
+
+def main(args) -> int:
+    t0 = time.time()
+    captured = load_or_capture(args)
+    n = captured.keys.shape[2]
+    sweep_layers = _layer_list(args.sweep_layers, captured.num_layers, "--sweep-layers")
+    final_layers = _layer_list(args.layers, captured.num_layers, "--layers")
+    print(f"{captured.num_layers} layers × {captured.keys.shape[1]} KV heads, {n} tokens, "
+          f"{captured.queries.shape[3]} queries ({time.time() - t0:.0f} s)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = sweep(captured, sweep_layers, seed=args.seed)
+    best = best_per_budget(runs, n, captured.queries.shape[3])
+    (out / "sweep.json").write_text(json.dumps([
+        {"method": m, "setting": _setting(m, c), "keys_read_fraction": f, "error": e,
+         "retrieval_rows_read": g} for m, c, f, e, g in runs], indent=2))
+    results = final(captured, best, final_layers, seed=args.seed)
+    reads = hybrid_reads(captured, best, sweep_layers, seed=args.seed)
+    table = markdown(results, reads)
+    (out / "table.md").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps({
+        "command": (f"jaxkv eval hybrid --tokens {args.tokens} --queries {args.queries} "
+                    f"--sweep-layers {args.sweep_layers} --layers {args.layers} --seed {args.seed}"),
+        "context_tokens": n, "sweep_layers": sweep_layers, "final_layers": final_layers,
+        "final": [dataclasses.asdict(r) for r in results],
+        "hybrid_reads_on_sweep_layers": {f"{k:.0%}": v for k, v in reads.items()},
+        "seconds": time.time() - t0}, indent=2))
+    plot(results, runs, out / "error_vs_budget.png", f"SmolLM2-135M, {n}-token Wikipedia context")
+    print(table)
+    print(f"wrote {out}/table.md, results.json, error_vs_budget.png in {time.time() - t0:.0f} s")
+    return 0
