@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench clean
+.PHONY: demo test test-notebooks test-slow clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2
+
+test-notebooks: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow tests/test_notebooks.py
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
