@@ -73,3 +73,29 @@ def capture(params, config, tokens, n_queries: int = 64, chunk: int = 512) -> Ca
     queries = queries.reshape(config.num_layers, n_queries, config.num_kv_heads, g, config.head_dim)
     return Captured(keys=keys, values=values, queries=queries.transpose(0, 2, 3, 1, 4),
                     query_positions=np.arange(n - n_queries, n))
+
+
+def load_or_capture(args) -> Captured:
+    """The study's captured tensors, from ``args.capture_cache`` when that file exists.
+
+    Otherwise capture ``args.tokens`` tokens of Wikipedia text (seed ``args.seed``)
+    with the model at ``args.model`` (default: the embedded SmolLM2) and, when a
+    cache path is given, write them there (atomically) for the next study.
+    """
+    import dataclasses as dc
+    from pathlib import Path
+
+    from jaxkv.eval import text
+
+    cache = Path(args.capture_cache) if getattr(args, "capture_cache", None) else None
+    if cache is not None and cache.exists():
+        with np.load(cache) as z:
+            return Captured(**{name: z[name] for name in z.files})
+    config, params, tokenizer = models.load(Path(args.model) if args.model else models.default_model_path())
+    _, ids = text.long_text(tokenizer, args.tokens, seed=args.seed)
+    captured = capture(params, config, list(ids)[: args.tokens], n_queries=args.queries)
+    if cache is not None:
+        tmp = cache.with_suffix(".partial.npz")
+        np.savez(tmp, **dc.asdict(captured))
+        tmp.replace(cache)
+    return captured

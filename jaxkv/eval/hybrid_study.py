@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxkv.attention import hybrid, magicpig, oracles, pariskv
 from jaxkv.eval import attention_error, decode_view
+from jaxkv.eval import capture as capture_mod
 
 BUDGETS = (0.02, 0.04, 0.08)
 SINK, LOCAL = 4, 64
@@ -296,27 +297,6 @@ def plot(results, runs, path: Path, title: str):
     plt.close(fig)
 
 
-def load_or_capture(args):
-    """The captured tensors, from ``args.capture_cache`` when it exists (written after a capture)."""
-    from jaxkv.eval import capture as capture_mod
-
-    cache = Path(args.capture_cache) if args.capture_cache else None
-    if cache is not None and cache.exists():
-        with np.load(cache) as z:
-            return capture_mod.Captured(**{name: z[name] for name in z.files})
-    import models
-    from jaxkv.eval import text
-
-    config, params, tokenizer = models.load(Path(args.model) if args.model else models.default_model_path())
-    _, ids = text.long_text(tokenizer, args.tokens, seed=args.seed)
-    captured = capture_mod.capture(params, config, list(ids)[: args.tokens], n_queries=args.queries)
-    if cache is not None:
-        tmp = cache.with_suffix(".partial.npz")
-        np.savez(tmp, **dataclasses.asdict(captured))
-        tmp.replace(cache)
-    return captured
-
-
 def _layer_list(text: str, num_layers: int, flag: str) -> list[int]:
     if text == "all":
         return list(range(num_layers))
@@ -329,7 +309,7 @@ def _layer_list(text: str, num_layers: int, flag: str) -> list[int]:
 
 def main(args) -> int:
     t0 = time.time()
-    captured = load_or_capture(args)
+    captured = capture_mod.load_or_capture(args)
     n = captured.keys.shape[2]
     sweep_layers = _layer_list(args.sweep_layers, captured.num_layers, "--sweep-layers")
     final_layers = _layer_list(args.layers, captured.num_layers, "--layers")
