@@ -122,6 +122,20 @@ def _study(module: str, args) -> int:
     return importlib.import_module(f"jaxkv.eval.{module}").main(args)
 
 
+def cmd_bench(args) -> int:
+    """Run benchmarks/bench_attention.py (a script of the source tree, not an installed module)."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
+    if not script.is_file():
+        raise UserError(f"{script} not found: `jaxkv bench` runs from a source checkout")
+    spec = importlib.util.spec_from_file_location("bench_attention", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--method", default="dense",
-                     choices=["dense", "magicpig", "pariskv", "topk", "pqcache"])
+                     choices=["dense", "magicpig", "pariskv", "topk", "pqcache", "hybrid"])
     gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a method parameter, e.g. --set top_k=2048 (repeatable)")
     gen.add_argument("--sink", type=int, help="sink tokens (default: the method's)")
@@ -159,21 +173,72 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst")
     conv.set_defaults(run=cmd_convert)
 
+    # Every flag (--help included) goes to the script's own parser.
+    bench = sub.add_parser("bench", add_help=False,
+                           help="attention step time per method and context length "
+                                "(benchmarks/bench_attention.py; --quick for a smoke run)")
+    bench.set_defaults(run=cmd_bench, passthrough=True)
+
     ev = sub.add_parser("eval", help="studies on the embedded model (tables, JSON, plots)")
     studies = ev.add_subparsers(dest="study", required=True)
     err = studies.add_parser("attention-error", help="attention-output error vs keys read (oracles, MagicPIG)")
     err.add_argument("--tokens", type=int, default=8000, help="context length")
     err.add_argument("--queries", type=int, default=64, help="last positions whose attention is estimated")
     err.add_argument("--out", default="results/attention_error")
+    err.add_argument("--capture-cache", help="npz file: reuse captured tensors if it exists, else write it")
     err.set_defaults(run=lambda a: _study("attention_error", a))
-    for p in (err,):
+    rul = studies.add_parser("ruler", help="RULER-style accuracy and keys read: dense vs sparse methods")
+    rul.add_argument("--quick", action="store_true", help="CI mode: one example per task at 2048 tokens")
+    rul.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths")
+    rul.add_argument("--n", type=int, default=20, help="examples per task and length")
+    rul.add_argument("--batch-size", type=int, default=4, help="examples of one length per generate call")
+    rul.add_argument("--cap", type=int, default=48, help="answer tokens at most (below RULER's per-task budget)")
+    rul.add_argument("--top-k", type=int, default=512, help="keys ParisKV and the TopK oracle retrieve")
+    rul.add_argument("--methods", help="comma-separated method labels (default: all)")
+    rul.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier result files instead of running")
+    rul.add_argument("--out", default="results/ruler")
+    rul.set_defaults(run=lambda a: _study("ruler_runner", a))
+    hyb = studies.add_parser("hybrid", help="hybrid (ParisKV head + MagicPIG tail) vs its parts and the oracle")
+    hyb.add_argument("--tokens", type=int, default=8000, help="context length")
+    hyb.add_argument("--queries", type=int, default=64, help="last positions whose attention is estimated")
+    hyb.add_argument("--sweep-layers", default="1,8,15,22,29",
+                     help="comma-separated layers the settings sweep runs on (the final table uses every layer)")
+    hyb.add_argument("--layers", default="all", help="layers of the final table: 'all' or a comma-separated list")
+    hyb.add_argument("--capture-cache", help="npz file: reuse captured tensors if it exists, else write it")
+    hyb.add_argument("--out", default="results/hybrid")
+    hyb.set_defaults(run=lambda a: _study("hybrid_study", a))
+    rec = studies.add_parser("recall", help="Recall@k of ParisKV (coarse, end to end), PQCache, MagicPIG; output error")
+    rec.add_argument("--tokens", type=int, default=8000, help="context length")
+    rec.add_argument("--queries", type=int, default=64, help="last positions whose queries are scored")
+    rec.add_argument("--top-k", type=int, default=100, help="keys retrieved and the recall depth k")
+    rec.add_argument("--capture-cache", help="npz file: reuse captured tensors if it exists, else write it "
+                                             "(a longer capture, e.g. the drift study's, serves too)")
+    rec.add_argument("--layers", help="comma-separated layers (default: all)")
+    rec.add_argument("--out", default="results/recall")
+    rec.set_defaults(run=lambda a: _study("recall", a))
+    dri = studies.add_parser("drift", help="Recall@k vs decode step as new keys join the pool (no retraining)")
+    dri.add_argument("--tokens", type=int, default=8192, help="text length (prefill + decode steps)")
+    dri.add_argument("--prefill", type=int, default=4000, help="tokens the indexes are built on")
+    dri.add_argument("--step", type=int, default=250, help="decode steps between checkpoints (= insertion block)")
+    dri.add_argument("--queries-per-step", type=int, default=8, help="positions scored at each checkpoint")
+    dri.add_argument("--top-k", type=int, default=100, help="keys retrieved and the recall depth k")
+    dri.add_argument("--capture-cache", help="npz file: reuse captured tensors if it exists, else write it")
+    dri.add_argument("--layers", help="comma-separated layers (default: all)")
+    dri.add_argument("--out", default="results/drift")
+    dri.set_defaults(run=lambda a: _study("drift", a))
+    for p in (err, rul, hyb, rec, dri):
         p.add_argument("--model", help="model path (default: the embedded SmolLM2)")
         p.add_argument("--seed", type=int, default=0)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "passthrough", False):
+        args.bench_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.run(args)
     except (UserError, *USER_ERRORS) as e:

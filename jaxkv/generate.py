@@ -52,9 +52,14 @@ class Generation:
 def _validate_prompts(prompts, config) -> list[list[int]]:
     if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1:
         prompts = [prompts]
-    rows = [np.asarray(p).astype(np.int64).reshape(-1).tolist() for p in prompts]
-    if not rows:
+    arrays = [np.asarray(p) for p in prompts]
+    if not arrays:
         raise ValueError("prompts is empty: give at least one prompt")
+    for i, array in enumerate(arrays):
+        # An empty list reads as float64; any other non-integer id would be truncated silently.
+        if array.size and not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"prompt {i}: token ids must be integers, found {array.dtype}")
+    rows = [array.astype(np.int64).reshape(-1).tolist() for array in arrays]
     for i, row in enumerate(rows):
         if not row:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
@@ -221,6 +226,8 @@ def generate(
     may be None); it is left intact, so several methods can share one prefill.
     """
     rows = prefilled.rows if prefilled is not None else _validate_prompts(prompts, config)
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool):
+        raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     longest = max(len(r) for r in rows) + max_new_tokens
@@ -231,6 +238,9 @@ def generate(
             "(pass allow_beyond_context=True to go past it anyway)")
     sampling = SamplingConfig(temperature, top_k, top_p)
     eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
+    bad_eos = [t for t in eos_ids if not 0 <= t < config.vocab_size]
+    if bad_eos:
+        raise ValueError(f"eos_ids: token id {bad_eos[0]} outside the vocabulary [0, {config.vocab_size})")
     lengths = [len(r) for r in rows]
     if max_new_tokens == 0:
         return Generation([[] for _ in rows], lengths, 0.0, 0.0, 0)
