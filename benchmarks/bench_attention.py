@@ -1,0 +1,490 @@
+"""Per-decode-step attention time of one layer, all heads: dense vs MagicPIG vs ParisKV.
+
+    python benchmarks/bench_attention.py [--quick] [--sizes N ...] [--shapes ...] [--methods ...]
+                                         [--repeats 5] [--out results/bench_attention]
+    jaxkv bench [same flags]
+
+What is timed (jitted, compiled before timing, median of --repeats calls,
+each ended by block_until_ready):
+
+- dense: ``models.dense_causal_attention`` over N keys on the device, f32
+  (every ratio is to it), and the same attention over head-major K/V
+  (``common.partial_attention`` vmapped over heads), which needs no relayout.
+- sparse: ``jaxkv.cache.region_attention`` with ``dense_threshold=0`` on a
+  RegionKV from ``jaxkv.cache.regions_from_prefill`` (retrieval K/V in
+  pinned_host memory), the state donated and fed back each step as generate()
+  does: append, the method's select, the host gather, the correction, attention
+  over the selection, the exact sink + window partial and the merge.
+- stages of the same step, each jitted alone over the same state: select
+  (ParisKV: coarse votes, coarse top-C, rerank + top-k), host gather of K and
+  V, the correction (MagicPIG), attention over the gathered rows. "rest" =
+  step − stages (append, exact partial, merge, dispatch).
+
+Keys: synthetic, fitted to SmolLM2's real keys (benchmarks/synthetic_keys.py).
+Bytes per step are what each stage must read (its floor), and the bandwidth
+reference is measured in the same run: a read (sum) and a copy of 512 MiB.
+Every ratio compares numbers of the same run: the machine is shared and noisy.
+Configurations that would not fit in the memory available are skipped and listed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import synthetic_keys  # noqa: E402
+
+import models  # noqa: E402
+from jaxkv import cache as kvcache  # noqa: E402
+from jaxkv.attention import common, magicpig, pariskv  # noqa: E402
+
+GiB = 1 << 30
+# MagicPIG's index is built by magicpig.insert, this many keys at a time:
+# build() hashes every row at once ([N, K·L] float32 = 6 GB per head at 1M keys).
+INSERT_CHUNK = 1 << 16
+# Peak memory of one configuration, in units of its K+V (f32) and of its largest
+# index: staging, the padded head-major copy and the retrieval copy of K and V;
+# the index, its stacked copy and the insert temporaries. The machine is shared:
+# a configuration that does not fit in what is available when it starts is
+# skipped and reported (others may still take memory while it runs).
+# Calibrated on two OOM kills of this script: Llama shape at 64k (3.8 GB resident)
+# and SmolLM2 at 1M with ParisKV only (9.1 GB resident, K+V 1.5 GB).
+KV_COPIES = 5
+INDEX_COPIES = 3
+PROCESS_BYTES = 3 * GiB // 2  # JAX runtime, executables, stage-timing temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    kv_heads: int
+    head_dim: int
+    group: int
+
+
+SHAPES = (Shape("SmolLM2", 3, 64, 3), Shape("Llama-3.1-8B", 8, 128, 4))
+
+
+# name → (label, module, config) of every sparse method benchmarked (official defaults).
+METHODS = {
+    "magicpig": ("magicpig K10L150", magicpig, magicpig.MagicPIGConfig()),
+    "pariskv-100": ("pariskv top100", pariskv, pariskv.ParisKVConfig(top_k=100)),
+    "pariskv-2048": ("pariskv top2048", pariskv, pariskv.ParisKVConfig(top_k=2048)),
+}
+
+
+# ---------------------------------------------------------------- timing
+
+def time_calls(fn, repeats: int) -> dict:
+    """Median/min/max seconds of fn() after one untimed call (compilation)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
+def memory_bandwidth(repeats: int) -> dict:
+    """Read (sum) and copy (x + 1, in place) bandwidth over 512 MiB of f32, bytes/s.
+
+    The copy is donated so it rewrites the same pages: a fresh 512 MiB output
+    would time the kernel's page faults, not the memory.
+    """
+    x = [jnp.ones((GiB // 2 // 4,), jnp.float32)]
+    size = x[0].nbytes
+    read = time_calls(lambda: _sum(x[0]), repeats)["median_s"]
+
+    def copy():
+        x[0] = _plus_one(x[0])
+        return x[0]
+
+    copy_s = time_calls(copy, repeats)["median_s"]
+    return {"read_Bps": size / read, "copy_Bps": 2 * size / copy_s}
+
+
+_sum = jax.jit(jnp.sum)
+_plus_one = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+
+
+# ---------------------------------------------------------------- state
+
+def _vmap2(f):
+    return jax.vmap(jax.vmap(f))
+
+
+class _NoIndex:
+    """A method with no index, for regions_from_prefill: MagicPIG's is built separately (INSERT_CHUNK)."""
+
+    @staticmethod
+    def build(cfg, keys, n, key):
+        return ()
+
+
+@functools.partial(jax.jit, static_argnames=("method", "mcfg", "ccfg", "capacity"))
+def _regions(staging_k, staging_v, lengths, key, *, method, mcfg, ccfg, capacity):
+    return kvcache.regions_from_prefill(staging_k, staging_v, lengths, method=method, mcfg=mcfg,
+                                        ccfg=ccfg, capacity=capacity, key=key)
+
+
+def magicpig_index(cfg, retr_k, n: int, key):
+    """Index of one layer, [1, H] leading axes, built by chunked magicpig.insert (μ over all n keys)."""
+    heads = []
+    for h in range(retr_k.shape[1]):
+        keys = jax.device_put(retr_k[0, h], kvcache.DEVICE)
+        mu = jnp.mean(keys[:n], axis=0)
+        index = magicpig.build(cfg, keys[:1], 0, key, mu=mu)  # the projection; nothing indexed
+        index = dataclasses.replace(
+            index, sorted_ids=jnp.zeros((cfg.L, keys.shape[0]), jnp.int32),
+            bucket_starts=jnp.zeros_like(index.bucket_starts))
+        chunk = min(INSERT_CHUNK, n)
+        padded = jnp.pad(keys[:n], ((0, -n % chunk), (0, 0)))
+        for start in range(0, n, chunk):
+            index = magicpig.insert(cfg, index, padded[start:start + chunk], min(chunk, n - start))
+        heads.append(jax.block_until_ready(index))
+        del keys, padded
+    return jax.tree.map(lambda *x: jnp.stack(x)[None], *heads)
+
+
+def region_state(method, mcfg, staging_k, staging_v, n: int, key):
+    """The RegionKV generate() would hold after prefilling n tokens, and its CacheConfig."""
+    ccfg = kvcache.CacheConfig(dense_threshold=0).resolve(mcfg)
+    capacity = n - ccfg.sink - ccfg.local + ccfg.buffer
+    lengths = jnp.full((1,), n, jnp.int32)
+    build_here = method is not magicpig
+    state = _regions(staging_k, staging_v, lengths, key, method=method if build_here else _NoIndex,
+                     mcfg=mcfg, ccfg=ccfg, capacity=capacity)
+    if not build_here:
+        state = dataclasses.replace(state, index=magicpig_index(mcfg, state.retr_k, int(state.retr_len[0]), key))
+    return jax.block_until_ready(state), ccfg
+
+
+def nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+# ---------------------------------------------------------------- one configuration
+
+def step_inputs(stats, n: int, rng):
+    """(q [1,1,Hq,d], k, v [1,1,Hkv,d], positions [1,1]) of the decode step after n tokens."""
+    hkv, g, d = stats.queries.shape
+    q = jnp.asarray(stats.queries.reshape(1, 1, hkv * g, d), jnp.float32)
+    z = rng.standard_normal((2, hkv, d))
+    k = np.einsum("hde,he->hd", stats.key_chol, z[0]) + stats.key_mean
+    v = np.einsum("hde,he->hd", stats.value_chol, z[1]) + stats.value_mean
+    as_step = lambda x: jnp.asarray(x.reshape(1, 1, hkv, d), jnp.float32)
+    return q, as_step(k), as_step(v), jnp.full((1, 1), n, jnp.int32)
+
+
+def bench_dense(staging_k, staging_v, q, n, repeats):
+    attend = jax.jit(models.dense_causal_attention)
+    kv_positions = jnp.arange(n, dtype=jnp.int32)
+    q_positions = jnp.full((1, 1), n - 1, jnp.int32)
+    return time_calls(lambda: attend(q, staging_k, staging_v, q_positions, kv_positions), repeats)
+
+
+_head_major = jax.jit(lambda x: jnp.swapaxes(x, 1, 2))
+_dense_head_major = jax.jit(_vmap2(lambda q, k, v: common.finalize(common.partial_attention(q, k, v))))
+
+
+def bench_dense_head_major(staging_k, staging_v, qg, repeats):
+    """Dense over K/V stored head-major [B, H, N, d] (the RegionKV layout): no per-step transpose."""
+    k, v = _head_major(staging_k), _head_major(staging_v)
+    return time_calls(lambda: _dense_head_major(qg, k, v), repeats)
+
+
+def bench_full_step(state, ccfg, method, mcfg, q, k, v, positions, repeats):
+    """Median step time of region_attention with the state donated and threaded, as generate() runs it."""
+    step = jax.jit(functools.partial(kvcache.region_attention, method=method, mcfg=mcfg, ccfg=ccfg),
+                   donate_argnames=("state",))
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        out, state = step(q, k, v, positions + i, state)
+        jax.block_until_ready((out, state))
+        times.append(time.perf_counter() - start)
+    times = times[1:]  # the first call compiles
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}, state
+
+
+def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]:
+    """Stage times of _retrieval_sparse's composition and the selection they work on."""
+    select = jax.jit(_vmap2(lambda ix, qq: method.select(mcfg, ix, qq)))
+    sel = jax.block_until_ready(select(state.index, qg))
+    gather = jax.jit(lambda rk, rv, idx: (kvcache.gather_rows(rk, idx, ccfg), kvcache.gather_rows(rv, idx, ccfg)))
+    k_rows, v_rows = jax.block_until_ready(gather(state.retr_k, state.retr_v, sel.idx))
+    correct = jax.jit(_vmap2(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s)))
+    log_weight = correct(state.index, qg, k_rows, sel)
+    attend_sel = jax.jit(_vmap2(common.attend_selection))
+    sel_w = dataclasses.replace(sel, log_weight=log_weight)
+    stages = {
+        "select": time_calls(lambda: select(state.index, qg), repeats),
+        "gather": time_calls(lambda: gather(state.retr_k, state.retr_v, sel.idx), repeats),
+        "attend": time_calls(lambda: attend_sel(qg, k_rows, v_rows, sel_w), repeats),
+    }
+    if log_weight is not None:
+        stages["correction"] = time_calls(lambda: correct(state.index, qg, k_rows, sel), repeats)
+    if method is pariskv:
+        stages.update(pariskv_select_stages(state.index, mcfg, qg, repeats))
+    return stages, sel
+
+
+def pariskv_select_stages(index, cfg, qg, repeats) -> dict:
+    """ParisKV's select split: coarse votes, top-C of the votes, rerank + top-k of the candidates."""
+    cap = index.signs.shape[-2]
+
+    def votes(ix, qq):
+        return pariskv.coarse_votes(cfg, ix, pariskv.rotate(cfg, jnp.mean(qq, axis=0))).astype(jnp.float32)
+
+    votes_fn = jax.jit(_vmap2(votes))
+    top_c = jax.jit(_vmap2(lambda v: pariskv.top_indices(v, pariskv.n_candidates(cfg, cap))))
+    coarse = jax.jit(_vmap2(lambda ix, qq: pariskv.coarse_candidates(cfg, ix, qq)))
+    rerank = jax.jit(_vmap2(lambda ix, qq, c: pariskv.top_indices(
+        pariskv.rerank_scores(cfg, ix, qq, c), pariskv.n_retrieved(cfg, cap))))
+    vote_totals = votes_fn(index, qg)
+    candidates = coarse(index, qg)
+    return {
+        "coarse": time_calls(lambda: coarse(index, qg), repeats),
+        "coarse.votes": time_calls(lambda: votes_fn(index, qg), repeats),
+        "coarse.top_C": time_calls(lambda: top_c(vote_totals), repeats),
+        "rerank": time_calls(lambda: rerank(index, qg, candidates), repeats),
+    }
+
+
+def magicpig_entries_read(cfg, index, qg) -> float:
+    """Inverted-index entries a step reads per KV head: Σ over query heads of min(bucket sizes summed over tables, cap)."""
+    def per_head(ix, qq):
+        codes = magicpig.hash_codes(cfg, ix.projection, qq).astype(jnp.int32)  # [G, L]
+        tables = jnp.arange(cfg.L)[None, :]
+        sizes = ix.bucket_starts[tables, codes + 1] - ix.bucket_starts[tables, codes]
+        return jnp.sum(jnp.minimum(jnp.cumsum(sizes, axis=-1), cfg.candidate_entries(ix.sorted_ids.shape[-1]))
+                       .max(axis=-1))
+    return float(jnp.mean(jax.jit(_vmap2(per_head))(index, qg)))
+
+
+def sort_probe(cfg, cap, group, kv_heads, repeats) -> dict:
+    """Time of the sort MagicPIG's select does per query head (candidate_entries int32), for all heads."""
+    entries = cfg.candidate_entries(cap)
+    x = jax.random.randint(jax.random.key(1), (kv_heads, group, entries), 0, cap, jnp.int32)
+    sort = jax.jit(lambda a: jnp.sort(a, axis=-1))
+    return {"entries": entries, **time_calls(lambda: sort(x), repeats)}
+
+
+def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entries: float) -> dict:
+    """Bytes one step must read per layer (all KV heads), by stage, f32 K/V."""
+    d, h = shape.head_dim, shape.kv_heads
+    row = 2 * d * 4  # one key and value, f32
+    exact = (ccfg.sink + ccfg.local + 1) * row
+    if method is pariskv:
+        cap = n - ccfg.sink - ccfg.local + ccfg.buffer
+        b = pariskv.n_subspaces(mcfg, d)
+        per_head = {"select": n * b + pariskv.n_candidates(mcfg, cap) * (pariskv.padded_dim(d) // 2 + 4 * b),
+                    "gather": sel_rows * row, "exact": exact}
+    else:
+        per_head = {"select": entries * 4 + d * mcfg.K * mcfg.L * 4,  # bucket ids read + the projection
+                    "gather": sel_rows * row, "exact": exact}
+    return {stage: value * h for stage, value in per_head.items()}
+
+
+def memory_needed(shape: Shape, n: int, names) -> int:
+    kv = 2 * n * shape.kv_heads * shape.head_dim * 4
+    index = max(method.index_bytes_per_key(cfg) if method is magicpig else method.index_bytes_per_key(cfg, shape.head_dim)
+                for _, method, cfg in (METHODS[name] for name in names)) * n * shape.kv_heads
+    return KV_COPIES * kv + INDEX_COPIES * index + PROCESS_BYTES
+
+
+def memory_available() -> int:
+    """MemAvailable from /proc/meminfo (bytes); unbounded where there is no such file."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return sys.maxsize
+
+
+def bench_config(shape: Shape, n: int, stats, repeats: int, bandwidth: dict, key, names) -> list[dict]:
+    """All methods at one (shape, N): dense first, then each sparse method; arrays freed between."""
+    rng = np.random.default_rng(0)
+    staging_k, staging_v = synthetic_keys.synthesise(stats, n)
+    q, k, v, positions = step_inputs(stats, n, rng)
+    qg = q[:, 0].reshape(1, shape.kv_heads, shape.group, shape.head_dim)
+    dense_bytes = 2 * n * shape.kv_heads * shape.head_dim * 4
+    dense = bench_dense(staging_k, staging_v, q, n, repeats)
+    rows = [{"shape": shape.name, "N": n, "method": "dense", "step": dense, "bytes": {"kv": dense_bytes},
+             "index_B_per_token_head": 0}]
+    rows.append({"shape": shape.name, "N": n, "method": "dense head-major (partial_attention)",
+                 "step": bench_dense_head_major(staging_k, staging_v, qg, repeats), "bytes": {"kv": dense_bytes},
+                 "index_B_per_token_head": 0})
+    print(f"  {shape.name} N={n} dense {dense['median_s'] * 1e3:.1f} ms, head-major "
+          f"{rows[-1]['step']['median_s'] * 1e3:.1f} ms", flush=True)
+    for label, method, mcfg in (METHODS[name] for name in names):
+        t0 = time.perf_counter()
+        state, ccfg = region_state(method, mcfg, staging_k, staging_v, n, key)
+        build_s = time.perf_counter() - t0
+        stages, sel = sparse_stages(state, ccfg, method, mcfg, qg, repeats)
+        sel_rows = float(jnp.mean(_vmap2(lambda s: s.distinct_rows())(sel)))
+        entries = magicpig_entries_read(mcfg, state.index, qg) if method is magicpig else 0.0
+        cap = state.retr_k.shape[2]
+        row = {"shape": shape.name, "N": n, "method": label, "build_s": build_s,
+               "index_B_per_token_head": nbytes(state.index) / (cap * shape.kv_heads),
+               "index_formula_B_per_token_head": (magicpig.index_bytes_per_key(mcfg) if method is magicpig
+                                                  else pariskv.index_bytes_per_key(mcfg, shape.head_dim)),
+               "rows_gathered_per_head": sel_rows, "index_entries_read_per_head": entries,
+               "bytes": step_bytes(method, mcfg, shape, n, ccfg, sel_rows, entries), "stages": stages}
+        if method is magicpig:
+            row["sort_probe"] = sort_probe(mcfg, cap, shape.group, shape.kv_heads, repeats)
+        row["step"], state = bench_full_step(state, ccfg, method, mcfg, q, k, v, positions, repeats)
+        del state, sel
+        gc.collect()
+        rows.append(row)
+        print(f"  {shape.name} N={n} {label} {row['step']['median_s'] * 1e3:.1f} ms "
+              f"(build {build_s:.0f} s)", flush=True)
+    for row in rows:
+        total = sum(row["bytes"].values())
+        row["bytes_total"] = total
+        row["ratio_to_dense"] = row["step"]["median_s"] / dense["median_s"]
+        row["achieved_Bps"] = total / row["step"]["median_s"]
+        row["floor_s"] = total / bandwidth["read_Bps"]
+        row["x_floor"] = row["step"]["median_s"] / row["floor_s"]
+        row["kv_bf16_B_per_token_head"] = 2 * shape.head_dim * 2
+    return rows
+
+
+# ---------------------------------------------------------------- reporting
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.1f}" if x >= 1e-3 else f"{x * 1e3:.2f}"
+
+
+def sort_text(probe) -> str:
+    return f"{ms(probe['median_s'])} ({probe['entries']:,} entries)" if probe else ""
+
+
+def markdown(rows: list[dict], skipped: list[str], bandwidth: dict, meta: dict) -> str:
+    lines = [f"Command: `{meta['command']}`  ", f"jax {meta['jax']}, {meta['machine']}, "
+             f"{meta['repeats']} repeats (median, [min–max]).  ",
+             f"Measured bandwidth, same run: read {bandwidth['read_Bps'] / 1e9:.1f} GB/s, "
+             f"copy (read+write) {bandwidth['copy_Bps'] / 1e9:.1f} GB/s. Floor = bytes / read bandwidth.", "",
+             "| shape | N | method | step ms [min–max] | × dense | MB read | GB/s | × floor | "
+             "index B/token/head | KV bf16 B/token/head |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r["step"]
+        lines.append(
+            f"| {r['shape']} | {r['N']:,} | {r['method']} | {ms(s['median_s'])} [{ms(s['min_s'])}–{ms(s['max_s'])}] | "
+            f"{r['ratio_to_dense']:.3f} | {r['bytes_total'] / 1e6:.1f} | {r['achieved_Bps'] / 1e9:.2f} | "
+            f"{r['x_floor']:.1f} | {r['index_B_per_token_head']:.0f} | {r['kv_bf16_B_per_token_head']} |")
+    lines += ["", "Stages (each jitted alone over the same state; ms, median). "
+              "rest = step − select − gather − correction − attend (append, exact sink+window partial, merge, dispatch).", "",
+              "| shape | N | method | select | (coarse: votes / top-C) | (rerank) | gather | correction | attend | rest | "
+              "rows gathered/head | MagicPIG entries read/head | MagicPIG sort probe ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "stages" not in r:
+            continue
+        st = {k: v["median_s"] for k, v in r["stages"].items()}
+        rest = r["step"]["median_s"] - sum(st.get(k, 0.0) for k in ("select", "gather", "correction", "attend"))
+        coarse = f"{ms(st['coarse'])} ({ms(st['coarse.votes'])} / {ms(st['coarse.top_C'])})" if "coarse" in st else ""
+        probe = r.get("sort_probe")
+        lines.append(
+            f"| {r['shape']} | {r['N']:,} | {r['method']} | {ms(st['select'])} | {coarse} | "
+            f"{ms(st['rerank']) if 'rerank' in st else ''} | {ms(st['gather'])} | "
+            f"{ms(st['correction']) if 'correction' in st else ''} | {ms(st['attend'])} | {ms(rest)} | "
+            f"{r['rows_gathered_per_head']:.0f} | {r['index_entries_read_per_head']:.0f} | "
+            f"{sort_text(probe)} |")
+    if skipped:
+        lines += ["", "Skipped: " + "; ".join(skipped)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, bandwidth: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({r["shape"] for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        mine = [r for r in rows if r["shape"] == shape]
+        for method in dict.fromkeys(r["method"] for r in mine):
+            pts = sorted((r["N"], r["step"]["median_s"] * 1e3) for r in mine if r["method"] == method)
+            ax.plot(*zip(*pts), marker="o", label=method)
+        dense = sorted((r["N"], r["floor_s"] * 1e3) for r in mine if r["method"] == "dense")
+        ax.plot(*zip(*dense), "k--", lw=1, label="dense read floor")
+        ax.set(xscale="log", yscale="log", xlabel="keys N", ylabel="ms per step (one layer, all heads)",
+               title=shape)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(out: Path, rows, skipped, bandwidth, meta) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_attention.json").write_text(json.dumps(
+        {"meta": meta, "bandwidth": bandwidth, "skipped": skipped, "rows": rows}, indent=1))
+    (out / "bench_attention.md").write_text(markdown(rows, skipped, bandwidth, meta))
+    if rows:
+        plot(rows, out / "bench_attention.png", bandwidth)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: SmolLM2 shape, N = 8k and 16k")
+    parser.add_argument("--sizes", type=int, nargs="+", help="key counts N (default 16k 64k 256k 1M)")
+    parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], help="head shapes (default both)")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                        help="sparse methods (dense always runs: every ratio is to it)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="results/bench_attention")
+    parser.add_argument("--stats", default="results/bench_attention/smollm2_key_stats.npz",
+                        help="fitted SmolLM2 key statistics (computed by a prefill when missing)")
+    args = parser.parse_args(argv)
+    sizes = args.sizes or ([1 << 13, 1 << 14] if args.quick else [1 << 14, 1 << 16, 1 << 18, 1 << 20])
+    shapes = [s for s in SHAPES if s.name in (args.shapes or ([SHAPES[0].name] if args.quick else [s.name for s in SHAPES]))]
+    out = Path(args.out)
+    base = synthetic_keys.fit_smollm2(Path(args.stats))
+    bandwidth = memory_bandwidth(args.repeats)
+    print(f"bandwidth: read {bandwidth['read_Bps'] / 1e9:.1f} GB/s, copy {bandwidth['copy_Bps'] / 1e9:.1f} GB/s")
+    rows, skipped = [], []
+    key = jax.random.key(0)
+    meta = {"command": " ".join(["python", *sys.argv]), "jax": jax.__version__,
+            "machine": f"{platform.machine()}, {jax.devices()[0].platform}", "repeats": args.repeats}
+    for shape in shapes:
+        stats = synthetic_keys.for_shape(base, shape.kv_heads, shape.head_dim, shape.group)
+        for n in sizes:
+            needed, available = memory_needed(shape, n, args.methods), memory_available()
+            if needed > available:
+                skipped.append(f"{shape.name} N={n:,}: needs ~{needed / GiB:.1f} GiB "
+                               f"(K+V f32 {2 * n * shape.kv_heads * shape.head_dim * 4 / GiB:.1f} GiB, the largest "
+                               f"index, and their copies), "
+                               f"{available / GiB:.1f} GiB available on the shared machine")
+                print("  skipped", skipped[-1], flush=True)
+                continue
+            rows += bench_config(shape, n, stats, args.repeats, bandwidth, key, args.methods)
+            gc.collect()
+            write_results(out, rows, skipped, bandwidth, meta)  # after every size: a partial run still reports
+    write_results(out, rows, skipped, bandwidth, meta)
+    print(markdown(rows, skipped, bandwidth, meta))
+    print(f"wrote {out}/bench_attention.{{json,md,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
