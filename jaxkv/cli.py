@@ -12,7 +12,7 @@ import sys
 import typing
 from pathlib import Path
 
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
                PermissionError, KeyError)
 
 

@@ -81,7 +81,9 @@ def partial_attention(q, k, v, mask=None, log_weight=None) -> Partial:
 def partial_from_scores(s: jax.Array, v: jax.Array) -> Partial:
     """Partial from final scores s[G, N] (masked entries at MASKED_SCORE) and v[N, d]."""
     m = jnp.max(s, axis=-1, initial=MASKED_SCORE)
-    live = s > MASKED_SCORE / 2
+    # "not masked" rather than "above the floor": a NaN score stays live, so NaN
+    # inputs propagate to the output instead of silently dropping a key.
+    live = ~(s <= MASKED_SCORE / 2)
     p = jnp.where(live, jnp.exp(s - m[:, None]), 0.0)
     o = jnp.einsum("gn,nd->gd", p, v.astype(jnp.float32))
     return Partial(o=o, l=jnp.sum(p, axis=-1), m=m)
