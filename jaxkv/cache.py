@@ -186,12 +186,11 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     retr_v = v[:, :, s:s + capacity]
     n = jnp.broadcast_to(retr_len[:, None], (b, h))
     index = _vmap2(lambda kk, nn: method.build(mcfg, kk, nn, key))(retr_k, n)
-    zeros = jnp.zeros((b,), jnp.float32)
     return RegionKV(
         sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
         retr_k=_host(retr_k, ccfg), retr_v=_host(retr_v, ccfg), index=index,
         sink_len=sink_len, win_len=win_len, retr_len=retr_len,
-        keys_read=zeros, keys_seen=zeros)
+        keys_read=jnp.zeros((b,), jnp.float32), keys_seen=jnp.zeros((b,), jnp.float32))
 
 
 def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:

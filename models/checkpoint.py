@@ -66,9 +66,14 @@ def restore(path) -> tuple[ModelConfig, Params]:
     manifest = _read_manifest(path)
     config = ModelConfig.from_hf(path / "config.json")
     dtype = jnp.dtype(manifest["dtype"])
+    if not (path / "params").is_dir():
+        raise ModelError(f"{path}: the params/ directory is missing (a damaged checkpoint)")
     checkpointer = ocp.StandardCheckpointer()
     saved = _saved_array_metadata(checkpointer.metadata((path / "params").absolute()))
-    check_tree(param_shapes(config), saved, dtype, prefix=f"{path}: ")
+    try:
+        check_tree(param_shapes(config), saved, dtype)
+    except ModelError as err:
+        raise ModelError(f"{path}: {err} (config.json or the manifest does not match the saved tensors)") from None
     target = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), param_shapes(config),
                           is_leaf=lambda x: isinstance(x, tuple))
     tree = checkpointer.restore((path / "params").absolute(), target)

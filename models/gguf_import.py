@@ -52,8 +52,9 @@ def load_gguf(path, dtype=jnp.float32):
         raise ModelNotFoundError(f"no GGUF file at {path}")
     try:
         reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as err:
-        raise ModelError(f"{path}: not a readable GGUF file ({err})") from err
+    except (ValueError, OSError, IndexError) as err:  # IndexError: cut inside the metadata
+        raise ModelError(
+            f"{path}: not a readable GGUF file, truncated or corrupt ({type(err).__name__}: {err})") from err
     meta = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     tensors = {t.name: t for t in reader.tensors}
     config = ModelConfig.from_hf(_hf_config(meta, tensors, path))

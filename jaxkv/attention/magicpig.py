@@ -269,7 +269,8 @@ def collision_log_prob(cos_theta: jax.Array, K: int, L, min_hits: int = 2) -> ja
     # Ratio of consecutive tail terms is at most (L − m)·P / ((m + 1)(1 − P)).
     log_ratio = jnp.log(jnp.maximum(n_tables - min_hits, 0.0)) + log_hit - math.log(min_hits + 1) - log_miss
     use_tail = (log_ratio <= -math.log(2.0)) | (n_tables - min_hits + 1 <= TAIL_TERMS)
-    return jnp.where(use_tail, tail, complement)
+    # A probability: float32 rounding can leave log u a hair above 0 at cos θ = 1.
+    return jnp.minimum(jnp.where(use_tail, tail, complement), 0.0)
 
 
 def _retrieval_mean(keys: jax.Array, n: jax.Array) -> jax.Array:
