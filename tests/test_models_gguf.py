@@ -141,3 +141,18 @@ def test_tokenizer_from_hf_directory_matches(smollm2, wiki_ids, tmp_path):
         "hi", system="Be brief.")
     assert from_dir.eos_token_ids == tokenizer.eos_token_ids
     assert models.Tokenizer.from_json(from_dir.to_json()).encode(text) == ours
+
+
+def test_greedy_answer_matches_transformers(smollm2):
+    """SmolLM2's greedy chat answer is identical, token for token, to transformers' on the same GGUF."""
+    import jaxkv
+
+    config, params, tokenizer, _, hf_model = smollm2
+    prompt = tokenizer.encode(tokenizer.apply_chat_template("What is the capital of France?"))
+    ours = jaxkv.generate(params, config, [prompt], max_new_tokens=24).tokens[0]
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                eos_token_id=list(config.eos_token_ids), pad_token_id=config.eos_token_ids[0])
+    theirs = out[0, len(prompt):].tolist()
+    theirs = theirs[:next((i for i, t in enumerate(theirs) if t in config.eos_token_ids), len(theirs))]
+    assert ours == theirs and len(ours) > 0
