@@ -393,8 +393,8 @@ def _regions_for_layers(backend: Backend, staging: models.KVCache, lengths):
     return tuple(states)
 
 
-def make_backend(config, method: str, method_config, cache_config, batch: int,
-                 max_prompt: int, max_new_tokens: int, seed: int = 0) -> Backend:
+def make_backend(config, method: str, method_config, cache_config, max_prompt: int,
+                 max_new_tokens: int, seed: int = 0) -> Backend:
     """Validate a generate() request and size every cache for it."""
     total = max_prompt + max_new_tokens
     if method == "dense":

@@ -245,8 +245,8 @@ def generate(
     if max_new_tokens == 0:
         return Generation([[] for _ in rows], lengths, 0.0, 0.0, 0)
 
-    backend = kvcache.make_backend(config, method, method_config, cache_config, len(rows),
-                                   max(lengths), max_new_tokens)
+    backend = kvcache.make_backend(config, method, method_config, cache_config, max(lengths),
+                                   max_new_tokens)
     t0 = time.perf_counter()
     if prefilled is None:
         prefilled = prefill_prompts(params, config, rows, capacity=backend.staging_capacity,
