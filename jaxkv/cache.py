@@ -5,6 +5,8 @@ Four regions per layer and sequence (DESIGN.md), by token position p:
     sink      p < S                          exact, device
     retrieval S <= p < S + retr_len          full precision in host memory,
                                              reached only through the method's index
+                                             (whose bulk, e.g. MagicPIG's id lists,
+                                             sits in host memory too)
     window    the rest, in position order    exact, device: the `local` tokens
               (W <= win_len <= W + U)        plus the update buffer
 
@@ -69,7 +71,8 @@ class CacheConfig:
     dense_threshold: contexts shorter than this are attended exactly (every
     retrieval row read). None = ParisKV's rule max(2000, S + W + 2·top_k);
     0 disables the fallback.
-    offload: keep retrieval K/V in pinned host memory (False: on the device).
+    offload: keep retrieval K/V and the index's bulk fields (a method's
+    ``HOST_INDEX_FIELDS``) in pinned host memory (False: on the device).
     """
 
     sink: int | None = None
@@ -132,17 +135,33 @@ def _flat_rows(b: int, h: int, cap: int, idx):
     return (base.reshape(b, h, *([1] * (idx.ndim - 2))) + idx).reshape(-1)
 
 
-def gather_rows(store, idx, ccfg):
-    """store [B, H, cap, hd] (host or device), idx [B, H, C] → rows [B, H, C, hd] on the device.
+def host_take(store, flat_idx):
+    """store[flat_idx] (along axis 0) for a store in host memory.
 
     Host memory cannot be read by device kernels in JAX: the gather runs on the
-    host side (every operand in host memory) and only the selected rows move.
+    host side (every operand in host memory) and only the taken rows move.
     """
+    rows = store.at[jax.device_put(flat_idx, HOST)].get(mode="promise_in_bounds")
+    return jax.device_put(rows, DEVICE)
+
+
+def gather_rows(store, idx, ccfg):
+    """store [B, H, cap, hd] (host or device), idx [B, H, C] → rows [B, H, C, hd] on the device."""
     b, h, cap, hd = store.shape
-    flat_idx = _host(_flat_rows(b, h, cap, idx), ccfg)
-    flat = store.reshape(b * h * cap, hd)
-    rows = flat.at[flat_idx].get(mode="promise_in_bounds")
-    return _device(rows, ccfg).reshape(*idx.shape, hd)
+    flat, flat_idx = store.reshape(b * h * cap, hd), _flat_rows(b, h, cap, idx)
+    rows = host_take(flat, flat_idx) if ccfg.offload else flat[flat_idx]
+    return rows.reshape(*idx.shape, hd)
+
+
+def _host_index_take(array, flat_idx):
+    """The `take` a method's select() uses for an index field kept in host memory."""
+    return host_take(array.reshape(-1), flat_idx)
+
+
+def _place_index(index, method, place):
+    """The index with the method's bulk fields (``HOST_INDEX_FIELDS``) moved by `place`."""
+    fields = getattr(method, "HOST_INDEX_FIELDS", ())
+    return dataclasses.replace(index, **{f: place(getattr(index, f)) for f in fields}) if fields else index
 
 
 def scatter_rows(store, idx, rows, ccfg):
@@ -186,6 +205,7 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     retr_v = v[:, :, s:s + capacity]
     n = jnp.broadcast_to(retr_len[:, None], (b, h))
     index = _vmap2(lambda kk, nn: method.build(mcfg, kk, nn, key))(retr_k, n)
+    index = _place_index(index, method, functools.partial(_host, ccfg=ccfg))
     return RegionKV(
         sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
         retr_k=_host(retr_k, ccfg), retr_v=_host(retr_v, ccfg), index=index,
@@ -204,7 +224,11 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
     rows = state.retr_len[:, None, None] + jnp.arange(u)[None, None, :]
     rows = jnp.broadcast_to(rows, (b, h, u))
     count = jnp.broadcast_to(jnp.where(full, u, 0)[:, None], (b, h)).astype(jnp.int32)
-    index = _vmap2(lambda ix, kk, c: method.insert(mcfg, ix, kk, c))(state.index, moved_k, count)
+    # Inserting permutes whole id lists: host-resident index fields visit the
+    # device once per flush (every U steps), not once per step.
+    index = _place_index(state.index, method, functools.partial(_device, ccfg=ccfg))
+    index = _vmap2(lambda ix, kk, c: method.insert(mcfg, ix, kk, c))(index, moved_k, count)
+    index = _place_index(index, method, functools.partial(_host, ccfg=ccfg))
 
     def shift(x):
         shifted = jnp.concatenate([x[:, :, u:], jnp.zeros_like(x[:, :, :u])], axis=2)
@@ -274,7 +298,11 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     ``uses_kernels()`` holds, the attention runs in the gather-attention kernel;
     host-offloaded rows are gathered on the host side first and attended by XLA.
     """
-    sel = _vmap2(lambda ix, qq: method.select(mcfg, ix, qq))(state.index, q)
+    if ccfg.offload and getattr(method, "HOST_INDEX_FIELDS", ()):
+        select = functools.partial(method.select, take=_host_index_take)
+    else:
+        select = method.select
+    sel = _vmap2(lambda ix, qq: select(mcfg, ix, qq))(state.index, q)
     # Only a correction needs k_rows on the kernel path; XLA drops the gather otherwise.
     k_rows = gather_rows(state.retr_k, sel.idx, ccfg)
     log_weight = _vmap2(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s))(

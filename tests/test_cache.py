@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv import cache as kvcache
-from jaxkv.attention import topk
+from jaxkv.attention import magicpig, topk
 
 S, W, U = 2, 4, 3
 H, HD = 2, 8
@@ -102,3 +102,42 @@ def test_region_attention_reading_everything_equals_dense():
             expected = (w / w.sum()) @ vals[:, kv_head]
             # float32 softmax over ≤ 40 keys, merged from three partials: ~1e-6 relative.
             np.testing.assert_allclose(np.asarray(out[row, 0, head]), expected, rtol=2e-5, atol=2e-6)
+
+
+def _magicpig_decode(offload: bool, steps: int = 12):
+    """MagicPIG through the regions: prefill, `steps` appends (several flushes), one attention."""
+    mcfg = magicpig.MagicPIGConfig(K=4, L=6, sink=S, local=W, capacity=1.0, candidate_capacity=2.0)
+    ccfg = kvcache.CacheConfig(buffer=U, dense_threshold=0, offload=offload).resolve(mcfg)
+    rng = np.random.default_rng(3)
+    lengths, b, g = np.array([40, 25], np.int32), 2, 3
+    total = int(lengths.max()) + steps + 1  # the attended token too
+    full_k = rng.standard_normal((b, total, H, HD)).astype(np.float32)
+    full_v = rng.standard_normal((b, total, H, HD)).astype(np.float32)
+    live = np.arange(total)[None, :, None, None] < lengths[:, None, None, None]
+    prefill = jax.jit(functools.partial(kvcache.regions_from_prefill, method=magicpig, mcfg=mcfg, ccfg=ccfg,
+                                        capacity=total + U, key=jax.random.key(0)))
+    state = prefill(jnp.asarray(np.where(live, full_k, 0)), jnp.asarray(np.where(live, full_v, 0)),
+                    jnp.asarray(lengths))
+    append = jax.jit(functools.partial(kvcache.append, method=magicpig, mcfg=mcfg, ccfg=ccfg))
+    rows = np.arange(b)
+    for step in range(steps):
+        pos = lengths + step
+        state = append(state, jnp.asarray(full_k[rows, pos]), jnp.asarray(full_v[rows, pos]), jnp.asarray(pos))
+    q = rng.standard_normal((b, 1, H * g, HD)).astype(np.float32)
+    attend = jax.jit(functools.partial(kvcache.region_attention, method=magicpig, mcfg=mcfg, ccfg=ccfg))
+    out, state = attend(jnp.asarray(q), jnp.asarray(full_k[rows, lengths + steps][:, None]),
+                        jnp.asarray(full_v[rows, lengths + steps][:, None]),
+                        jnp.asarray((lengths + steps)[:, None]), state)
+    return out, state
+
+
+def test_magicpig_id_lists_live_in_host_memory_and_decode_the_same():
+    out_host, state = _magicpig_decode(offload=True)
+    assert state.index.sorted_ids.sharding.memory_kind == "pinned_host"
+    assert state.index.bucket_starts.sharding.memory_kind == "device"  # small per-head metadata
+    out_device, state_device = _magicpig_decode(offload=False)
+    assert state_device.index.sorted_ids.sharding.memory_kind == "device"
+    # Same index, same samples: the host gather only changes where rows are read.
+    np.testing.assert_array_equal(np.asarray(state.index.sorted_ids), np.asarray(state_device.index.sorted_ids))
+    np.testing.assert_array_equal(np.asarray(out_host), np.asarray(out_device))
+    assert int(np.min(np.asarray(state.retr_len))) > 0  # flushes happened: the index was updated

@@ -181,6 +181,12 @@ def is_dense_layer(cfg: MagicPIGConfig, layer: int) -> bool:
     return layer in cfg.dense_layers
 
 
+# The id lists grow with the context (4·L bytes per key, more than bf16 K and V
+# at L=150): with host offload they live in host memory beside the retrieval
+# region, and select() reads the entries it needs through a host gather.
+HOST_INDEX_FIELDS = ("sorted_ids",)
+
+
 def index_bytes_per_key(cfg: MagicPIGConfig) -> int:
     """Index bytes per key: one int32 id per table (the bucket starts are per head, not per key)."""
     return 4 * cfg.L
@@ -407,7 +413,12 @@ def _entries_read(running, tables_used):
     return jnp.where(tables_used > 0, last, 0)
 
 
-def _head_samples(cfg, sorted_ids, lo, sizes, running, read, capacity):
+def _take_local(array, flat_idx):
+    """array.reshape(-1)[flat_idx] for an array in the computation's own memory."""
+    return array.reshape(-1)[flat_idx]
+
+
+def _head_samples(cfg, sorted_ids, lo, sizes, running, read, capacity, take):
     """One query head's sampled key ids (ascending, padded with cap) and their count.
 
     Reads the first ``read`` entries of its bucket ranges (whole tables) as one
@@ -418,7 +429,7 @@ def _head_samples(cfg, sorted_ids, lo, sizes, running, read, capacity):
     slot = jnp.arange(cfg.candidate_entries(cap))
     table = jnp.minimum(jnp.searchsorted(running, slot, side="right"), cfg.L - 1)
     offset = slot - (running[table] - sizes[table])
-    cand = sorted_ids[table, jnp.clip(lo[table] + offset, 0, cap - 1)]
+    cand = take(sorted_ids, table * cap + jnp.clip(lo[table] + offset, 0, cap - 1))
     cand = jnp.sort(jnp.where(slot < read, cand, cap))
     m = cfg.min_hits
     later = jnp.concatenate([cand[m - 1:], jnp.full((m - 1,), cap, cand.dtype)])
@@ -443,20 +454,26 @@ def _head_samples_kernel(cfg, index, codes, tables_used, capacity):
     return jnp.where(found.mask, found.idx, cap), n_found + found.overflow
 
 
-@_jit_with_static_cfg
-def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array):
-    """:func:`select` plus what overflowed (:class:`SelectStats`)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "take"))
+def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, take=None):
+    """:func:`select` plus what overflowed (:class:`SelectStats`).
+
+    take(array, flat_idx): how entries of ``index.sorted_ids`` are read; None
+    reads them in place. The cache passes a host gather when the id lists live
+    in host memory (the collide kernel cannot read those, so XLA does the work).
+    """
     cap = index.sorted_ids.shape[1]
     capacity = cfg.sample_capacity(cap)
     codes = hash_codes(cfg, index.projection, q)
     lo, sizes, running, tables_used = _code_buckets(cfg, index, codes)
     read = _entries_read(running, tables_used)
-    if cfg.uses_kernels():
+    if cfg.uses_kernels() and take is None:
         per_head, n_sampled = jax.vmap(
             lambda c, t: _head_samples_kernel(cfg, index, c, t, capacity))(codes, tables_used)
     else:
         per_head, n_sampled = jax.vmap(
-            lambda *a: _head_samples(cfg, index.sorted_ids, *a, capacity))(lo, sizes, running, read)
+            lambda *a: _head_samples(cfg, index.sorted_ids, *a, capacity, take or _take_local))(
+            lo, sizes, running, read)
     flat = jnp.sort(per_head.reshape(-1))
     first = flat != jnp.concatenate([jnp.full((1,), -1, flat.dtype), flat[:-1]])
     union, n_union = _compact(flat, first & (flat < cap), capacity, cap)
@@ -468,9 +485,9 @@ def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array):
     return selection, stats
 
 
-def select(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array) -> common.Selection:
+def select(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, take=None) -> common.Selection:
     """Sampled rows for q[G, d]: idx [C] (union over heads), mask [G, C] (each head's own sample)."""
-    return select_with_stats(cfg, index, q)[0]
+    return select_with_stats(cfg, index, q, take)[0]
 
 
 def _cosine(q: jax.Array, x: jax.Array) -> jax.Array:
