@@ -1,6 +1,7 @@
 """Issue [4/10] acceptance: sparse methods find the needle wherever dense does.
 
-    python scripts/needle_check.py [--tokens 6000] [--depths 0.1 0.5 0.9] [--out results/ruler/needle_check.json]
+    python scripts/needle_check.py [--tokens 6000] [--depths 0.1 0.5 0.9] [--methods M ...]
+                                   [--out results/ruler/needle_check.json]
 
 Builds ~6,000-token needle-in-a-haystack prompts from the packaged Wikipedia
 text (needle at 10%, 50% and 90% depth, chat template already applied), runs
@@ -71,11 +72,18 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=6000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--depths", type=float, nargs="+", default=list(DEPTHS))
+    parser.add_argument("--methods", nargs="+", help="methods to run (default: every one of "
+                        f"{', '.join(WANTED_METHODS)} that `jaxkv generate` offers); dense is always run")
     parser.add_argument("--out", default="results/ruler/needle_check.json")
     args = parser.parse_args()
 
     _, _, tokenizer = models.load(models.default_model_path())
     methods = available_methods()
+    if args.methods:
+        unknown = sorted(set(args.methods) - set(methods))
+        if unknown:
+            parser.error(f"--methods: {', '.join(unknown)} not offered; choose from {', '.join(methods)}")
+        methods = ["dense"] + [m for m in methods if m in args.methods and m != "dense"]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for depth in args.depths:
