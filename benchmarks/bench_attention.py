@@ -168,7 +168,8 @@ def region_state(method, mcfg, staging_k, staging_v, n: int, key):
     state = _regions(staging_k, staging_v, lengths, key, method=method if build_here else _NoIndex,
                      mcfg=mcfg, ccfg=ccfg, capacity=capacity)
     if not build_here:
-        state = dataclasses.replace(state, index=magicpig_index(mcfg, state.retr_k, int(state.retr_len[0]), key))
+        index = magicpig_index(mcfg, state.retr_k, int(state.retr_len[0]), key)
+        state = dataclasses.replace(state, index=kvcache.place_index(index, method, ccfg, host=True))
     return jax.block_until_ready(state), ccfg
 
 
@@ -222,7 +223,8 @@ def bench_full_step(state, ccfg, method, mcfg, q, k, v, positions, repeats):
 
 def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]:
     """Stage times of _retrieval_sparse's composition and the selection they work on."""
-    select = jax.jit(_vmap2(lambda ix, qq: method.select(mcfg, ix, qq)))
+    select_one = kvcache.method_select(method, ccfg)
+    select = jax.jit(_vmap2(lambda ix, qq: select_one(mcfg, ix, qq)))
     sel = jax.block_until_ready(select(state.index, qg))
     gather = jax.jit(lambda rk, rv, idx: (kvcache.gather_rows(rk, idx, ccfg), kvcache.gather_rows(rv, idx, ccfg)))
     k_rows, v_rows = jax.block_until_ready(gather(state.retr_k, state.retr_v, sel.idx))

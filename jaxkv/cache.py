@@ -158,10 +158,18 @@ def _host_index_take(array, flat_idx):
     return host_take(array.reshape(-1), flat_idx)
 
 
-def _place_index(index, method, place):
-    """The index with the method's bulk fields (``HOST_INDEX_FIELDS``) moved by `place`."""
+def method_select(method, ccfg):
+    """method.select as the cache calls it: host-resident index fields read by host gather."""
+    if ccfg.offload and getattr(method, "HOST_INDEX_FIELDS", ()):
+        return functools.partial(method.select, take=_host_index_take)
+    return method.select
+
+
+def place_index(index, method, ccfg, *, host: bool):
+    """The index with the method's bulk fields (``HOST_INDEX_FIELDS``) in host (or device) memory."""
     fields = getattr(method, "HOST_INDEX_FIELDS", ())
-    return dataclasses.replace(index, **{f: place(getattr(index, f)) for f in fields}) if fields else index
+    move = _host if host else _device
+    return dataclasses.replace(index, **{f: move(getattr(index, f), ccfg) for f in fields}) if fields else index
 
 
 def scatter_rows(store, idx, rows, ccfg):
@@ -205,7 +213,7 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     retr_v = v[:, :, s:s + capacity]
     n = jnp.broadcast_to(retr_len[:, None], (b, h))
     index = _vmap2(lambda kk, nn: method.build(mcfg, kk, nn, key))(retr_k, n)
-    index = _place_index(index, method, functools.partial(_host, ccfg=ccfg))
+    index = place_index(index, method, ccfg, host=True)
     return RegionKV(
         sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
         retr_k=_host(retr_k, ccfg), retr_v=_host(retr_v, ccfg), index=index,
@@ -226,9 +234,9 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
     count = jnp.broadcast_to(jnp.where(full, u, 0)[:, None], (b, h)).astype(jnp.int32)
     # Inserting permutes whole id lists: host-resident index fields visit the
     # device once per flush (every U steps), not once per step.
-    index = _place_index(state.index, method, functools.partial(_device, ccfg=ccfg))
+    index = place_index(state.index, method, ccfg, host=False)
     index = _vmap2(lambda ix, kk, c: method.insert(mcfg, ix, kk, c))(index, moved_k, count)
-    index = _place_index(index, method, functools.partial(_host, ccfg=ccfg))
+    index = place_index(index, method, ccfg, host=True)
 
     def shift(x):
         shifted = jnp.concatenate([x[:, :, u:], jnp.zeros_like(x[:, :, :u])], axis=2)
@@ -298,10 +306,7 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     ``uses_kernels()`` holds, the attention runs in the gather-attention kernel;
     host-offloaded rows are gathered on the host side first and attended by XLA.
     """
-    if ccfg.offload and getattr(method, "HOST_INDEX_FIELDS", ()):
-        select = functools.partial(method.select, take=_host_index_take)
-    else:
-        select = method.select
+    select = method_select(method, ccfg)
     sel = _vmap2(lambda ix, qq: select(mcfg, ix, qq))(state.index, q)
     # Only a correction needs k_rows on the kernel path; XLA drops the gather otherwise.
     k_rows = gather_rows(state.retr_k, sel.idx, ccfg)
