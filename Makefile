@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-notebooks test-slow clean
+.PHONY: demo test test-notebooks test-docs test-slow clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: $(STAMP)
 
 test-notebooks: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests/test_notebooks.py
+
+# Every documented command and model-loading snippet, run for real at a reduced size
+# (tests/test_docs.py, SIZE_OVERRIDES): single process, so the model loads once.
+test-docs: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow tests/test_docs.py
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

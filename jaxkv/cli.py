@@ -186,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     err.add_argument("--queries", type=int, default=64, help="last positions whose attention is estimated")
     err.add_argument("--out", default="results/attention_error")
     err.add_argument("--capture-cache", help="npz file: reuse captured tensors if it exists, else write it")
+    err.add_argument("--layers", help="comma-separated layers (default: all)")
+    err.add_argument("--budgets", help="comma-separated oracle budgets, fractions of the context "
+                                       "(default: 0.01,0.02,0.04,0.08,0.16)")
+    err.add_argument("--magicpig", help="comma-separated MagicPIG settings KxL, e.g. 10x150 "
+                                        "(default: 11x300,10x170,10x150,9x120,8x100,7x64)")
     err.set_defaults(run=lambda a: _study("attention_error", a))
     rul = studies.add_parser("ruler", help="RULER-style accuracy and keys read: dense vs sparse methods")
     rul.add_argument("--quick", action="store_true", help="CI mode: one example per task at 2048 tokens")
@@ -195,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     rul.add_argument("--cap", type=int, default=48, help="answer tokens at most (below RULER's per-task budget)")
     rul.add_argument("--top-k", type=int, default=512, help="keys ParisKV and the TopK oracle retrieve")
     rul.add_argument("--methods", help="comma-separated method labels (default: all)")
+    rul.add_argument("--tasks", help="comma-separated task names (default: all)")
     rul.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier result files instead of running")
     rul.add_argument("--out", default="results/ruler")
     rul.set_defaults(run=lambda a: _study("ruler_runner", a))

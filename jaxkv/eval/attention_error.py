@@ -1,6 +1,7 @@
 """The estimator study: attention-output error vs keys read, on a real model.
 
-    jaxkv eval attention-error [--tokens 8000] [--queries 64] [--out results/attention_error]
+    jaxkv eval attention-error [--tokens 8000] [--queries 64] [--layers L,...] [--budgets F,...]
+                               [--magicpig KxL,...] [--out results/attention_error]
 
 Captures SmolLM2's keys, values and queries on a long Wikipedia context (every
 layer and head, the last `queries` positions), then reports the mean relative
@@ -184,22 +185,51 @@ def plot(rows, path: Path, title: str):
     plt.close(fig)
 
 
+def _budgets(text: str | None) -> tuple[float, ...]:
+    if not text:
+        return BUDGETS
+    try:
+        budgets = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--budgets must be comma-separated fractions, got {text!r}") from None
+    if not all(0 < b <= 1 for b in budgets):
+        raise ValueError(f"--budgets must lie in (0, 1], got {text!r}")
+    return budgets
+
+
+def _magicpig_settings(text: str | None) -> tuple[tuple[int, int], ...]:
+    if not text:
+        return MAGICPIG_SETTINGS
+    try:
+        settings = tuple(tuple(int(v) for v in item.lower().split("x")) for item in text.split(","))
+    except ValueError:
+        settings = ()
+    if not settings or any(len(s) != 2 or min(s) < 1 for s in settings):
+        raise ValueError(f"--magicpig must be comma-separated KxL settings such as 10x150, got {text!r}")
+    return settings
+
+
 def main(args) -> int:
     from jaxkv.eval import capture as capture_mod
+    from jaxkv.eval import recall
 
+    budgets, settings = _budgets(args.budgets), _magicpig_settings(args.magicpig)  # bad flags fail first
     t0 = time.time()
-    captured = capture_mod.load_or_capture(args)
+    captured, layers = recall.select_layers(capture_mod.load_or_capture(args), args.layers)
     n_tokens = captured.keys.shape[2]
     print(f"captured {captured.num_layers} layers × {captured.keys.shape[1]} KV heads, {n_tokens} tokens, "
           f"{captured.queries.shape[3]} queries in {time.time() - t0:.0f} s")
-    rows = study(captured, seed=args.seed)
+    rows = study(captured, budgets=budgets, magicpig_settings=settings, seed=args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps({
-        "command": f"jaxkv eval attention-error --tokens {args.tokens} --queries {args.queries} --seed {args.seed}",
+        "command": (f"jaxkv eval attention-error --tokens {args.tokens} --queries {args.queries} --seed {args.seed}"
+                    + "".join(f" --{flag} {getattr(args, flag)}" for flag in ("layers", "budgets", "magicpig")
+                              if getattr(args, flag))),
         "model": str(args.model or "SmolLM2-135M-Instruct (embedded GGUF)"), "context_tokens": n_tokens,
+        "layers": layers,
         "rows": [dataclasses.asdict(r) for r in rows], "seconds": time.time() - t0}, indent=2))
     plot(rows, out / "error_vs_budget.png", f"SmolLM2-135M, {n_tokens}-token Wikipedia context")
     print(table)

@@ -1,6 +1,6 @@
 """RULER-style accuracy of dense vs sparse decoding on the embedded model.
 
-    jaxkv eval ruler [--quick] [--lengths 2048,4096,8192] [--n 20] [--out results/ruler]
+    jaxkv eval ruler [--quick] [--lengths 2048,4096,8192] [--n 20] [--tasks T,...] [--out results/ruler]
     jaxkv eval ruler --merge results/ruler/a.json results/ruler/b.json [--out DIR]
 
 Every task of :mod:`jaxkv.eval.ruler` at every length is answered by dense
@@ -340,6 +340,16 @@ def _select(methods: Sequence[MethodSpec], wanted: str | None) -> tuple[MethodSp
     return tuple(known[x] for x in labels)
 
 
+def _parse_tasks(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return ruler.TASKS
+    tasks = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in tasks if x not in ruler.TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"--tasks: unknown task(s) {unknown or text!r}; known: {', '.join(ruler.TASKS)}")
+    return tasks
+
+
 def _command_line(args) -> str:
     if args.merge:
         return f"jaxkv eval ruler --merge {' '.join(args.merge)} --out {args.out}"
@@ -348,6 +358,8 @@ def _command_line(args) -> str:
              f"--cap {args.cap} --top-k {args.top_k} --seed {args.seed}"]
     if args.methods:
         parts.append(f"--methods {args.methods}")
+    if args.tasks:
+        parts.append(f"--tasks {args.tasks}")
     return " ".join(parts)
 
 
@@ -370,11 +382,14 @@ def main(args) -> int:
     import models
 
     lengths = QUICK_LENGTHS if args.quick else _parse_lengths(args.lengths)
+    tasks = _parse_tasks(args.tasks)
     n_per_task = QUICK_N_PER_TASK if args.quick else args.n
     t0 = time.time()
     config, params, tokenizer = models.load(Path(args.model) if args.model else models.default_model_path())
     methods = _select(default_methods(top_k=args.top_k), args.methods)
-    examples = ruler.make_suite(tokenizer, lengths=lengths, n_per_task=n_per_task, seed=args.seed)
+    # Filtered after generation, so an example is the same with or without --tasks.
+    examples = [e for e in ruler.make_suite(tokenizer, lengths=lengths, n_per_task=n_per_task, seed=args.seed)
+                if e.task in tasks]
     kv_bytes = 2 * config.head_dim * np.dtype(np.float32).itemsize  # params load as float32
     stem = "quick" if args.quick else "ruler_" + "_".join(map(str, lengths))
     meta = {"command": _command_line(args), "model": str(args.model or "SmolLM2-135M-Instruct (embedded GGUF)"),
