@@ -326,8 +326,14 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     return part, reads
 
 
-def region_attention(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg: CacheConfig):
-    """Decode-step attention (T = 1) through the four regions."""
+def region_attention(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg: CacheConfig,
+                     batch_axis: str | None = None):
+    """Decode-step attention (T = 1) through the four regions.
+
+    batch_axis: the mesh axis the batch is split over when this runs per shard
+    (jaxkv.sharding); the dense fallback is then decided for the whole batch,
+    as on one device, not per shard.
+    """
     if q.shape[1] != 1:
         raise ValueError(f"the four-region cache decodes one token at a time, got {q.shape[1]}")
     b, _, hq, hd = q.shape
@@ -337,8 +343,11 @@ def region_attention(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg:
     qg = q[:, 0].reshape(b, hkv, hq // hkv, hd)
     exact = _exact_partial(qg, state)
     context = pos + 1
+    short = jnp.any(context < ccfg.dense_threshold)
+    if batch_axis is not None:
+        short = jax.lax.psum(short.astype(jnp.int32), batch_axis) > 0
     retrieval, reads = jax.lax.cond(
-        jnp.any(context < ccfg.dense_threshold),
+        short,
         lambda: _retrieval_dense(qg, state, ccfg),
         lambda: _retrieval_sparse(qg, state, method=method, mcfg=mcfg, ccfg=ccfg))
     out = _vmap2(lambda a, r: common.finalize(common.merge(a, r)))(exact, retrieval)

@@ -20,6 +20,7 @@ import numpy as np
 
 import models
 from jaxkv import cache as kvcache
+from jaxkv import sharding
 from jaxkv.sampling import SamplingConfig, sample
 
 PAD = -1  # marks "no token" in generated outputs
@@ -74,13 +75,13 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("staging",))
-def _prefill_chunk(params, config, tokens, start, lengths, staging, last_hidden):
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("staging",))
+def _prefill_chunk(params, config, tokens, start, lengths, staging, last_hidden, mesh=None):
     """Run one chunk [B, C] at positions start..start+C; keep each row's last real hidden state."""
     b, c = tokens.shape
     positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
     hidden, staging = models.forward_hidden(
-        params, config, tokens, positions, staging, models.cached_attention)
+        params, config, tokens, positions, staging, sharding.per_shard(models.cached_attention, mesh))
     offset = lengths - 1 - start
     in_chunk = (offset >= 0) & (offset < c)
     picked = hidden[jnp.arange(b), jnp.clip(offset, 0, c - 1)]
@@ -88,10 +89,12 @@ def _prefill_chunk(params, config, tokens, start, lengths, staging, last_hidden)
     return staging, last_hidden
 
 
-def prefill(params, config, rows: Sequence[Sequence[int]], capacity: int, chunk: int, dtype):
+def prefill(params, config, rows: Sequence[Sequence[int]], capacity: int, chunk: int, dtype,
+            mesh=None):
     """Prefill right-padded prompts into a dense staging cache of `capacity` positions.
 
     Returns (staging cache, logits of each row's last prompt token [B, V]).
+    With a mesh, params must already be on it (sharding.shard_params).
     """
     b = len(rows)
     lengths = np.array([len(r) for r in rows], np.int32)
@@ -99,13 +102,13 @@ def prefill(params, config, rows: Sequence[Sequence[int]], capacity: int, chunk:
     tokens = np.zeros((b, padded), np.int32)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
-    staging = models.init_cache(config, b, max(capacity, padded), dtype)
-    last_hidden = jnp.zeros((b, config.hidden_size), dtype)
-    lengths_j = jnp.asarray(lengths)
+    staging = sharding.shard_states(models.init_cache(config, b, max(capacity, padded), dtype), mesh)
+    last_hidden = sharding.shard_rows(jnp.zeros((b, config.hidden_size), dtype), mesh)
+    lengths_j = sharding.shard_rows(jnp.asarray(lengths), mesh)
     for start in range(0, padded, chunk):
+        chunk_tokens = sharding.shard_rows(jnp.asarray(tokens[:, start:start + chunk]), mesh)
         staging, last_hidden = _prefill_chunk(
-            params, config, jnp.asarray(tokens[:, start:start + chunk]), jnp.int32(start),
-            lengths_j, staging, last_hidden)
+            params, config, chunk_tokens, jnp.int32(start), lengths_j, staging, last_hidden, mesh)
     return staging, models.lm_head(params, config, last_hidden[:, None, :])[:, 0]
 
 
@@ -124,14 +127,18 @@ class Prefilled:
 
 
 def prefill_prompts(params, config, prompts, *, capacity: int, prefill_chunk: int = 512,
-                    dtype=None) -> Prefilled:
-    """Validate and prefill prompts into a dense cache of `capacity` positions (≥ prompt + new tokens)."""
+                    dtype=None, mesh=None) -> Prefilled:
+    """Validate and prefill prompts into a dense cache of `capacity` positions (≥ prompt + new tokens).
+
+    mesh: a jaxkv.sharding mesh to prefill on (the cache comes back sharded on it).
+    """
     rows = _validate_prompts(prompts, config)
+    params = sharding.shard_params(params, config, mesh, batch=len(rows))
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     dtype = dtype or jax.tree_util.tree_leaves(params)[0].dtype
     t0 = time.perf_counter()
-    staging, first_logits = prefill(params, config, rows, capacity, prefill_chunk, dtype)
+    staging, first_logits = prefill(params, config, rows, capacity, prefill_chunk, dtype, mesh)
     jax.block_until_ready(first_logits)
     return Prefilled(rows, staging, first_logits, time.perf_counter() - t0)
 
@@ -142,7 +149,7 @@ def _keys_read_fraction(states, backend) -> list[float] | None:
     read = seen = 0.0
     for state in states:
         if isinstance(state, kvcache.RegionKV):
-            read, seen = read + np.asarray(state.keys_read), seen + np.asarray(state.keys_seen)
+            read, seen = read + sharding.fetch(state.keys_read), seen + sharding.fetch(state.keys_seen)
     if np.all(np.asarray(seen) == 0):
         return None
     n_dense = len(backend.dense_layers)
@@ -161,6 +168,7 @@ class _LoopSpec:
     sampling: SamplingConfig
     eos_ids: tuple[int, ...]
     backend: kvcache.Backend
+    mesh: jax.sharding.Mesh | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("states",))
@@ -187,7 +195,8 @@ def _decode_loop(params, spec: _LoopSpec, first_logits, lengths, states, key):
         step, token, out, states, done, key = carry
         positions = (lengths + step - 1)[:, None]
         hidden, states = models.forward_hidden(
-            params, spec.config, token[:, None], positions, states, spec.backend.attention)
+            params, spec.config, token[:, None], positions, states,
+            sharding.per_shard(spec.backend.attention, spec.mesh))
         logits = models.lm_head(params, spec.config, hidden)[:, 0]
         token, out, done, key = emit(step, logits, out, done, key)
         return step + 1, token, out, states, done, key
@@ -215,6 +224,7 @@ def generate(
     allow_beyond_context: bool = False,
     dtype=None,
     prefilled: Prefilled | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Generation:
     """Generate up to max_new_tokens tokens for each prompt (token-id lists of any lengths).
 
@@ -224,8 +234,11 @@ def generate(
     Positions beyond config.max_position_embeddings raise unless allow_beyond_context.
     prefilled: the result of prefill_prompts() for these prompts (then `prompts`
     may be None); it is left intact, so several methods can share one prefill.
+    mesh: a ("data", "model") mesh (jaxkv.sharding.make_mesh) to decode on, the
+    batch split over "data" and the KV heads over "model"; see docs/sharding.md.
     """
     rows = prefilled.rows if prefilled is not None else _validate_prompts(prompts, config)
+    params = sharding.shard_params(params, config, mesh, batch=len(rows))
     if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool):
         raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 0:
@@ -250,21 +263,22 @@ def generate(
     t0 = time.perf_counter()
     if prefilled is None:
         prefilled = prefill_prompts(params, config, rows, capacity=backend.staging_capacity,
-                                    prefill_chunk=prefill_chunk, dtype=dtype)
+                                    prefill_chunk=prefill_chunk, dtype=dtype, mesh=mesh)
         staging = prefilled.staging  # ours alone: the decode loop may consume it
     elif prefilled.capacity < backend.staging_capacity:
         raise ValueError(f"prefilled cache holds {prefilled.capacity} positions; this request needs "
                          f"{backend.staging_capacity} (prompt + max_new_tokens)")
     else:
         staging = jax.tree.map(jnp.copy, prefilled.staging)  # keep the caller's prefill intact
-    lengths_j = jnp.asarray(lengths, jnp.int32)
-    states = backend.from_prefill(staging, lengths_j)
+    lengths_j = sharding.shard_rows(jnp.asarray(lengths, jnp.int32), mesh)
+    states = sharding.states_from_prefill(backend, sharding.shard_states(staging, mesh), lengths_j, mesh)
     jax.block_until_ready(states)
     t1 = time.perf_counter()
-    spec = _LoopSpec(config, max_new_tokens, sampling, eos_ids, backend)
-    out, steps, states = _decode_loop(params, spec, prefilled.first_logits, lengths_j, states,
+    spec = _LoopSpec(config, max_new_tokens, sampling, eos_ids, backend, mesh)
+    first_logits = sharding.shard_rows(prefilled.first_logits, mesh)
+    out, steps, states = _decode_loop(params, spec, first_logits, lengths_j, states,
                                       jax.random.key(seed))
-    out = np.asarray(out)
+    out = sharding.fetch(out)
     t2 = time.perf_counter()
     tokens = [[int(t) for t in row if t != PAD] for row in out]
     return Generation(tokens, lengths, t1 - t0, t2 - t1, int(steps),

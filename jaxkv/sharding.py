@@ -1,0 +1,252 @@
+"""Sharded decoding on a JAX mesh: a ``data`` axis for the batch, a ``model`` axis for heads.
+
+What lives where (PartitionSpecs over the mesh axes ``("data", "model")``):
+
+- parameters: the query-head axis of ``wq``/``bq``/``wo`` and the KV-head axis of
+  ``wk``/``wv``/``bk``/``bv`` on ``model`` (query heads are grouped by KV head,
+  so splitting Hkv into equal blocks splits Hq the same way); the MLP's hidden
+  axis F on ``model`` when it divides (Megatron style), replicated otherwise;
+  embeddings, norms and the output bias replicated.
+- caches: batch on ``data``, KV heads on ``model``, for the dense cache and for
+  every leaf of the four-region cache (:class:`jaxkv.cache.RegionKV`): the exact
+  regions, the retrieval region (which keeps its ``pinned_host`` memory kind)
+  and the method's index (leaves with leading ``[B, Hkv]``); per-row counters
+  ``[B]`` on ``data``.
+
+Attention never mixes KV heads or rows, so each layer's attention step runs
+under :func:`jax.shard_map` on its own block of rows and heads: the retrieval
+gathers, the index lookups and the flushes read only the device's (and its
+host's) shard, with no collective. The projections, the MLP and the LM head
+are left to XLA's partitioner (the ``wo`` and ``w_down`` contractions over the
+sharded axis end in an all-reduce over ``model``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import models
+from jaxkv import cache as kvcache
+
+DATA, MODEL = "data", "model"
+AXES = (DATA, MODEL)
+
+# Per-layer parameter specs without the leading layer axis; absent names are replicated.
+_HEAD_SHARDED = {
+    "wq": P(None, MODEL, None), "wk": P(None, MODEL, None), "wv": P(None, MODEL, None),
+    "wo": P(MODEL, None, None), "bq": P(MODEL, None), "bk": P(MODEL, None), "bv": P(MODEL, None),
+}
+_MLP_SHARDED = {"w_gate": P(None, MODEL), "w_up": P(None, MODEL), "w_down": P(MODEL, None)}
+
+
+def make_mesh(data: int, model: int, devices=None) -> Mesh:
+    """A ``(data, model)`` mesh over the first data·model devices (default: all visible devices)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if data < 1 or model < 1 or data * model > len(devices):
+        raise ValueError(f"mesh ({data}, {model}) needs {data * model} devices; {len(devices)} are visible")
+    return jax.make_mesh((data, model), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=devices[: data * model])
+
+
+def validate_mesh(mesh: Mesh, config: models.ModelConfig, batch: int | None = None) -> None:
+    """Raise ValueError unless `mesh` has Auto axes (data, model) that divide the batch (if given)
+    and the KV heads."""
+    if tuple(mesh.axis_names) != AXES:
+        raise ValueError(f"mesh axes must be {AXES}, found {tuple(mesh.axis_names)} "
+                         "(build one with jaxkv.sharding.make_mesh)")
+    explicit = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                if kind != jax.sharding.AxisType.Auto]
+    if explicit:
+        raise ValueError(f"mesh axes {explicit} are not AxisType.Auto: jaxkv lets XLA partition "
+                         "the model (build the mesh with jaxkv.sharding.make_mesh)")
+    data, model = mesh.shape[DATA], mesh.shape[MODEL]
+    if batch is not None and batch % data:
+        raise ValueError(f"batch of {batch} prompts does not split over the mesh's data axis of "
+                         f"size {data}: give a multiple of {data} prompts (pad with copies of one)")
+    if config.num_kv_heads % model:
+        raise ValueError(f"num_kv_heads = {config.num_kv_heads} does not split over the mesh's model "
+                         f"axis of size {model}: use a model axis that divides it")
+
+
+# ----------------------------------------------------------------------------
+# Partition specs.
+
+
+def param_specs(params: models.Params, mesh: Mesh) -> models.Params:
+    """A Params-shaped tree of PartitionSpecs (see the module docstring)."""
+    sharded = dict(_HEAD_SHARDED)
+    if params.layers.w_gate.shape[-1] % mesh.shape[MODEL] == 0:
+        sharded.update(_MLP_SHARDED)
+
+    def layer_spec(name, leaf):
+        if leaf is None:
+            return None
+        return P(None, *sharded[name]) if name in sharded else P()  # None: the stacked layer axis
+
+    layers = {f.name: layer_spec(f.name, getattr(params.layers, f.name))
+              for f in dataclasses.fields(params.layers)}
+    replicated = lambda x: None if x is None else P()  # noqa: E731
+    return models.Params(embed=P(), layers=models.LayerParams(**layers),
+                         final_norm=P(), unembed=replicated(params.unembed))
+
+
+def cache_specs(states):
+    """PartitionSpecs for a decode state: a stacked dense cache, or a tuple of per-layer states.
+
+    Dense caches are [L, B, T, Hkv, hd] (stacked) or [B, T, Hkv, hd] (one layer);
+    every RegionKV leaf has leading [B, Hkv] except the per-row counters [B].
+    """
+    if isinstance(states, models.KVCache):
+        spec = P(None, DATA, None, MODEL, None) if states.k.ndim == 5 else P(DATA, None, MODEL, None)
+        return models.KVCache(k=spec, v=spec)
+    if isinstance(states, kvcache.RegionKV):
+        return jax.tree.map(lambda x: P(DATA) if x.ndim == 1 else P(DATA, MODEL), states)
+    if isinstance(states, (tuple, list)):
+        return type(states)(cache_specs(s) for s in states)
+    raise TypeError(f"cache_specs: no partition rule for a {type(states).__name__}")
+
+
+# ----------------------------------------------------------------------------
+# Placement.
+
+
+def _put(x, sharding: NamedSharding):
+    """x placed with `sharding`; across several hosts every process passes the same global x."""
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
+
+
+def place(tree, specs, mesh: Mesh | None):
+    """Put every leaf of `tree` on `mesh` by its spec, keeping its memory kind (pinned_host stays).
+
+    mesh None returns the tree unchanged.
+    """
+    if mesh is None:
+        return tree
+
+    def one(x, spec):
+        kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+        return _put(x, NamedSharding(mesh, spec, memory_kind=kind))
+
+    return jax.tree.map(one, tree, specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def shard_params(params: models.Params, config: models.ModelConfig, mesh: Mesh | None,
+                 batch: int | None = None) -> models.Params:
+    """Parameters on the mesh (unchanged without one), after validate_mesh(mesh, config, batch)."""
+    if mesh is None:
+        return params
+    validate_mesh(mesh, config, batch)
+    return place(params, param_specs(params, mesh), mesh)
+
+
+def shard_states(states, mesh: Mesh | None):
+    """A decode state (dense cache or per-layer states) on the mesh (unchanged without one)."""
+    return place(states, cache_specs(states), mesh)
+
+
+def shard_rows(x, mesh: Mesh | None):
+    """An array with a leading batch axis ([B, ...]) split over ``data``."""
+    return x if mesh is None else _put(x, NamedSharding(mesh, P(DATA)))
+
+
+# ----------------------------------------------------------------------------
+# Attention and index building per shard.
+
+
+_Q_SPEC = P(DATA, None, MODEL, None)  # q, k, v [B, T, H, hd]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalAttention:
+    """A layer's attention step run under shard_map on each device's rows and KV heads.
+
+    check_vma is off: the cache's lax.cond branches mix per-row and per-head
+    values, which the varying-axes type check rejects although every shard's
+    result is its own. The per-row read counter of a RegionKV is a mean over KV
+    heads: its per-shard means are averaged over ``model`` (equal head counts
+    per shard, so this is the mean over all heads).
+    """
+
+    attend: object
+    mesh: Mesh
+
+    def __call__(self, q, k, v, positions, state):
+        specs = cache_specs(state)
+        return jax.shard_map(
+            self._local, mesh=self.mesh,
+            in_specs=(_Q_SPEC, _Q_SPEC, _Q_SPEC, P(DATA, None), specs),
+            out_specs=(_Q_SPEC, specs), check_vma=False)(q, k, v, positions, state)
+
+    def _local(self, q, k, v, positions, state):
+        if not isinstance(state, kvcache.RegionKV):
+            return self.attend(q, k, v, positions, state)
+        # The dense-fallback decision spans the whole batch, as on one device.
+        out, state = self.attend(q, k, v, positions, state, batch_axis=DATA)
+        return out, dataclasses.replace(state, keys_read=jax.lax.pmean(state.keys_read, MODEL))
+
+
+def per_shard(attention, mesh: Mesh | None):
+    """A generate() attention (one callable or one per layer) run per shard; unchanged without a mesh."""
+    if mesh is None:
+        return attention
+    if callable(attention):
+        return LocalAttention(attention, mesh)
+    return tuple(LocalAttention(a, mesh) for a in attention)
+
+
+def states_from_prefill(backend: kvcache.Backend, staging: models.KVCache, lengths, mesh: Mesh | None):
+    """backend.from_prefill per shard: each device splits and indexes its own rows and KV heads.
+
+    The dense method decodes in the staging cache itself (already on the mesh).
+    """
+    if mesh is None or backend.method == "dense":
+        return backend.from_prefill(staging, lengths)
+    return _from_prefill_per_shard(backend, mesh, staging, lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "mesh"))
+def _from_prefill_per_shard(backend, mesh, staging, lengths):
+    out_specs = cache_specs(jax.eval_shape(backend.from_prefill, staging, lengths))
+    return jax.shard_map(backend.from_prefill, mesh=mesh, in_specs=(cache_specs(staging), P(DATA)),
+                         out_specs=out_specs, check_vma=False)(staging, lengths)
+
+
+# ----------------------------------------------------------------------------
+# Fetching results and measuring placement.
+
+
+def fetch(x) -> np.ndarray:
+    """A (possibly multi-host) sharded array as one numpy array on every process."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def bytes_per_device(tree) -> dict[str, int]:
+    """Largest bytes any one device holds of `tree`'s arrays, per memory kind ("device", "pinned_host")."""
+    held: dict[tuple[str, object], int] = {}
+    for leaf in jax.tree.leaves(tree):
+        kind = leaf.sharding.memory_kind or "device"
+        for shard in leaf.addressable_shards:
+            key = (kind, shard.device)
+            held[key] = held.get(key, 0) + shard.data.nbytes
+    out: dict[str, int] = {}
+    for (kind, _), n in held.items():
+        out[kind] = max(out.get(kind, 0), n)
+    return out
+
+
+__all__ = [
+    "AXES", "DATA", "MODEL", "LocalAttention", "bytes_per_device", "cache_specs", "fetch",
+    "make_mesh", "param_specs", "per_shard", "place", "shard_params", "shard_rows",
+    "shard_states", "states_from_prefill", "validate_mesh",
+]
