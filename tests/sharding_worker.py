@@ -121,6 +121,23 @@ def collectives(hlo: str) -> list:
     return found
 
 
+def reference_and_sharded(params, request):
+    """(method, kwargs, mesh, one-device Generation, sharded Generation) for every requested case."""
+    for method in request["methods"]:
+        kwargs = METHODS[method]
+        reference = jaxkv.generate(params, CONFIG, prompts(), max_new_tokens=NEW_TOKENS, eos_ids=(), **kwargs)
+        for data, model in request["meshes"]:
+            mesh = sharding.make_mesh(data, model)
+            out = jaxkv.generate(params, CONFIG, prompts(), max_new_tokens=NEW_TOKENS, eos_ids=(),
+                                 mesh=mesh, **kwargs)
+            yield method, kwargs, mesh, reference, out
+
+
+def _case(method, mesh, reference, out) -> dict:
+    return dict(method=method, mesh=list(mesh.devices.shape), reference=reference.tokens, sharded=out.tokens,
+                reference_read=reference.keys_read_fraction, sharded_read=out.keys_read_fraction)
+
+
 def main(request: dict) -> dict:
     params = tiny_params()
     capacity = max(map(len, prompts())) + NEW_TOKENS  # as generate() sizes it
@@ -130,20 +147,13 @@ def main(request: dict) -> dict:
               "batch": len(prompts()), "cases": [],
               "first_logits_abs_max": float(np.abs(one_device_logits).max()),
               "first_logits_top2_gap_min": float(np.min(top2[:, 1] - top2[:, 0]))}
-    for method in request["methods"]:
-        kwargs = METHODS[method]
-        reference = jaxkv.generate(params, CONFIG, prompts(), max_new_tokens=NEW_TOKENS, eos_ids=(), **kwargs)
-        for data, model in request["meshes"]:
-            mesh = sharding.make_mesh(data, model)
-            out = jaxkv.generate(params, CONFIG, prompts(), max_new_tokens=NEW_TOKENS, eos_ids=(),
-                                 mesh=mesh, **kwargs)
-            before, after, held, logits, moved = states_before_and_after_decode(params, mesh, kwargs)
-            result["cases"].append(dict(
-                method=method, mesh=[data, model], reference=reference.tokens, sharded=out.tokens,
-                reference_read=reference.keys_read_fraction, sharded_read=out.keys_read_fraction,
-                params=layout(sharding.shard_params(params, CONFIG, mesh)),
-                states_before=before, states_after=after, bytes_per_device=held, decode_collectives=moved,
-                first_logits_max_diff=float(np.max(np.abs(np.asarray(logits) - one_device_logits)))))
+    for method, kwargs, mesh, reference, out in reference_and_sharded(params, request):
+        before, after, held, logits, moved = states_before_and_after_decode(params, mesh, kwargs)
+        result["cases"].append(dict(
+            _case(method, mesh, reference, out),
+            params=layout(sharding.shard_params(params, CONFIG, mesh)),
+            states_before=before, states_after=after, bytes_per_device=held, decode_collectives=moved,
+            first_logits_max_diff=float(np.max(np.abs(np.asarray(logits) - one_device_logits)))))
     return result
 
 
@@ -156,17 +166,9 @@ def main_distributed(request: dict) -> dict:
     params = tiny_params()
     result = {"process": jax.process_index(), "devices": jax.device_count(),
               "local_devices": jax.local_device_count(), "cases": []}
-    for method in request["methods"]:
-        kwargs = METHODS[method]
-        reference = jaxkv.generate(params, CONFIG, prompts(), max_new_tokens=NEW_TOKENS, eos_ids=(), **kwargs)
-        for data, model in request["meshes"]:
-            mesh = sharding.make_mesh(data, model)
-            out = jaxkv.generate(params, CONFIG, prompts(), max_new_tokens=NEW_TOKENS, eos_ids=(),
-                                 mesh=mesh, **kwargs)
-            result["cases"].append(dict(
-                method=method, mesh=[data, model], reference=reference.tokens, sharded=out.tokens,
-                reference_read=reference.keys_read_fraction, sharded_read=out.keys_read_fraction,
-                mesh_processes=sorted({d.process_index for d in mesh.devices.flat})))
+    for method, _, mesh, reference, out in reference_and_sharded(params, request):
+        result["cases"].append(dict(_case(method, mesh, reference, out),
+                                    mesh_processes=sorted({d.process_index for d in mesh.devices.flat})))
     jax.distributed.shutdown()
     return result
 
