@@ -51,7 +51,8 @@ def _run(lengths, steps, offload, seed=0):
     return state, full_k, full_v, lengths + steps
 
 
-@settings(max_examples=15)
+# Three quarters of the profile's examples (15 by default): each runs jitted prefill and decode steps.
+@settings(max_examples=settings.default.max_examples * 3 // 4)
 @given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=3), steps=st.integers(0, 25))
 def test_regions_partition_the_sequence_exactly(lengths, steps):
     state, full_k, full_v, totals = _run(lengths, steps, offload=False)
