@@ -7,9 +7,8 @@
 What is timed (jitted, compiled before timing, median of --repeats calls,
 each ended by block_until_ready):
 
-- dense: ``models.dense_causal_attention`` over N keys on the device, f32
-  (every ratio is to it), and the same attention over head-major K/V
-  (``common.partial_attention`` vmapped over heads), which needs no relayout.
+- dense: ``models.dense_causal_attention`` over N head-major keys on the
+  device, f32 — what a dense layer of generate() runs; every ratio is to it.
 - sparse: ``jaxkv.cache.region_attention`` with ``dense_threshold=0`` on a
   RegionKV from ``jaxkv.cache.regions_from_prefill`` (retrieval K/V in
   pinned_host memory), the state donated and fed back each step as generate()
@@ -197,16 +196,6 @@ def bench_dense(staging_k, staging_v, q, n, repeats):
     return time_calls(lambda: attend(q, staging_k, staging_v, q_positions, kv_positions), repeats)
 
 
-_head_major = jax.jit(lambda x: jnp.swapaxes(x, 1, 2))
-_dense_head_major = jax.jit(_vmap2(lambda q, k, v: common.finalize(common.partial_attention(q, k, v))))
-
-
-def bench_dense_head_major(staging_k, staging_v, qg, repeats):
-    """Dense over K/V stored head-major [B, H, N, d] (the RegionKV layout): no per-step transpose."""
-    k, v = _head_major(staging_k), _head_major(staging_v)
-    return time_calls(lambda: _dense_head_major(qg, k, v), repeats)
-
-
 def bench_full_step(state, ccfg, method, mcfg, q, k, v, positions, repeats):
     """Median step time of region_attention with the state donated and threaded, as generate() runs it."""
     step = jax.jit(functools.partial(kvcache.region_attention, method=method, mcfg=mcfg, ccfg=ccfg),
@@ -329,11 +318,7 @@ def bench_config(shape: Shape, n: int, stats, repeats: int, bandwidth: dict, key
     dense = bench_dense(staging_k, staging_v, q, n, repeats)
     rows = [{"shape": shape.name, "N": n, "method": "dense", "step": dense, "bytes": {"kv": dense_bytes},
              "index_B_per_token_head": 0}]
-    rows.append({"shape": shape.name, "N": n, "method": "dense head-major (partial_attention)",
-                 "step": bench_dense_head_major(staging_k, staging_v, qg, repeats), "bytes": {"kv": dense_bytes},
-                 "index_B_per_token_head": 0})
-    print(f"  {shape.name} N={n} dense {dense['median_s'] * 1e3:.1f} ms, head-major "
-          f"{rows[-1]['step']['median_s'] * 1e3:.1f} ms", flush=True)
+    print(f"  {shape.name} N={n} dense {dense['median_s'] * 1e3:.1f} ms", flush=True)
     for label, method, mcfg in (METHODS[name] for name in names):
         t0 = time.perf_counter()
         state, ccfg = region_state(method, mcfg, staging_k, staging_v, n, key)

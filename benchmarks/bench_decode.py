@@ -8,6 +8,12 @@ call compiles, the second is timed. The dense fallback is disabled so the
 sparse paths really run; ParisKV and MagicPIG use their default settings
 (MagicPIG keeps layers 0 and 16 dense). Reports tokens/s, the ratio to dense in
 the same run and the fraction of keys each method read.
+
+The reference row is transformers (PyTorch, CPU, f32) on the same weights
+(dequantised from the same GGUF) and the same prompt: prefill, one warm-up
+step, then `new-tokens` greedy steps through its KV cache, timed one by one;
+it also reports whether its greedy tokens equal jaxkv dense's.
+`--no-transformers` skips it.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import argparse
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -26,11 +33,35 @@ def methods():
     return {"dense": None, "magicpig": magicpig.MagicPIGConfig(), "pariskv": pariskv.ParisKVConfig()}
 
 
+def transformers_decode(ids, new_tokens: int) -> dict:
+    """Greedy decode of transformers' SmolLM2 after prefilling `ids`: tokens/s and the tokens."""
+    import torch
+    import transformers
+
+    import models
+
+    gguf = models.default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), use_cache=True)
+        tokens, seconds = [], 0.0
+        for step in range(new_tokens + 1):  # step 0 warms up and is not timed
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+            t0 = time.perf_counter()
+            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+            seconds += (time.perf_counter() - t0) if step else 0.0
+    return {"decode_tok_s": new_tokens / seconds, "tokens": tokens[:new_tokens],
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8000])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", default="results/bench_decode.json")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers reference row")
     args = parser.parse_args(argv)
 
     import jaxkv
@@ -55,6 +86,15 @@ def main(argv=None):
             rows.append({"context": n, "method": name, "decode_tok_s": out.decode_tokens_per_second,
                          "keys_read_fraction": read})
             print(f"context {n} {name}: {out.decode_tokens_per_second:.2f} tok/s, read {read:.1%}", flush=True)
+            if name == "dense":
+                dense_tokens = out.tokens[0]
+        if not args.no_transformers:
+            ref = transformers_decode(ids, args.new_tokens)
+            rows.append({"context": n, "method": "transformers", "decode_tok_s": ref["decode_tok_s"],
+                         "keys_read_fraction": 1.0, "same_tokens_as_dense": ref["tokens"] == dense_tokens,
+                         "torch": ref["torch"], "torch_threads": ref["torch_threads"]})
+            print(f"context {n} transformers: {ref['decode_tok_s']:.2f} tok/s, same greedy tokens as "
+                  f"jaxkv dense: {ref['tokens'] == dense_tokens}", flush=True)
     dense = {r["context"]: r["decode_tok_s"] for r in rows if r["method"] == "dense"}
     print("| context | method | decode tok/s | × dense | keys read |\n|---|---|---|---|---|")
     for r in rows:

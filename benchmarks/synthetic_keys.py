@@ -113,11 +113,11 @@ def _gaussian_rows(key, mean, chol, sink, n: int):
 
 
 def synthesise(stats: HeadStatistics, n: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
-    """Staging keys and values [1, n, H, d] float32 (the layout of a prefilled dense cache)."""
+    """Staging keys and values [1, H, n, d] float32 (head-major, the layout of a prefilled dense cache)."""
     if n <= SINK:
         raise ValueError(f"n must exceed the {SINK} sink tokens, got {n}")
     k_key, v_key = jax.random.split(jax.random.key(seed))
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     k = _gaussian_rows(k_key, f32(stats.key_mean), f32(stats.key_chol), f32(stats.sink_keys), n)
     v = _gaussian_rows(v_key, f32(stats.value_mean), f32(stats.value_chol), f32(stats.sink_values), n)
-    return k[None], v[None]
+    return jnp.swapaxes(k, 0, 1)[None], jnp.swapaxes(v, 0, 1)[None]

@@ -181,11 +181,6 @@ def scatter_rows(store, idx, rows, ccfg):
     return flat.reshape(store.shape)
 
 
-def _heads_first(x):
-    """[B, T, H, hd] → [B, H, T, hd]."""
-    return jnp.swapaxes(x, 1, 2)
-
-
 def _vmap2(f):
     """vmap over batch and KV heads."""
     return jax.vmap(jax.vmap(f))
@@ -193,12 +188,12 @@ def _vmap2(f):
 
 def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: CacheConfig,
                          capacity: int, key) -> RegionKV:
-    """Split one layer's prefilled dense cache [B, T, Hkv, hd] into the four regions."""
+    """Split one layer's prefilled dense cache (head-major [B, Hkv, T, hd], as models.KVCache) into the four regions."""
     s, w, u = ccfg.sink, ccfg.local, ccfg.buffer
-    b, t, h, hd = staging_k.shape
+    b, h, t, hd = staging_k.shape
     pad = max(0, s + capacity + w + u - t)
-    k = _heads_first(jnp.pad(staging_k, ((0, 0), (0, pad), (0, 0), (0, 0))))
-    v = _heads_first(jnp.pad(staging_v, ((0, 0), (0, pad), (0, 0), (0, 0))))
+    k = jnp.pad(staging_k, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    v = jnp.pad(staging_v, ((0, 0), (0, 0), (0, pad), (0, 0)))
     sink_len = jnp.minimum(lengths, s)
     win_len = jnp.minimum(w, jnp.maximum(lengths - s, 0))
     retr_len = lengths - sink_len - win_len

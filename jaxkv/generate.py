@@ -123,7 +123,7 @@ class Prefilled:
 
     @property
     def capacity(self) -> int:
-        return self.staging.k.shape[2]
+        return self.staging.k.shape[3]
 
 
 def prefill_prompts(params, config, prompts, *, capacity: int, prefill_chunk: int = 512,

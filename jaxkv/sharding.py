@@ -99,11 +99,11 @@ def param_specs(params: models.Params, mesh: Mesh) -> models.Params:
 def cache_specs(states):
     """PartitionSpecs for a decode state: a stacked dense cache, or a tuple of per-layer states.
 
-    Dense caches are [L, B, T, Hkv, hd] (stacked) or [B, T, Hkv, hd] (one layer);
+    Dense caches are [L, B, Hkv, T, hd] (stacked) or [B, Hkv, T, hd] (one layer);
     every RegionKV leaf has leading [B, Hkv] except the per-row counters [B].
     """
     if isinstance(states, models.KVCache):
-        spec = P(None, DATA, None, MODEL, None) if states.k.ndim == 5 else P(DATA, None, MODEL, None)
+        spec = P(None, DATA, MODEL, None, None) if states.k.ndim == 5 else P(DATA, MODEL, None, None)
         return models.KVCache(k=spec, v=spec)
     if isinstance(states, kvcache.RegionKV):
         return jax.tree.map(lambda x: P(DATA) if x.ndim == 1 else P(DATA, MODEL), states)
@@ -179,16 +179,17 @@ class LocalAttention:
     attend: object
     mesh: Mesh
 
-    def __call__(self, q, k, v, positions, state):
+    def __call__(self, q, k, v, positions, state, *layer):
+        """An AttentionFn, or a StackedAttentionFn when given the layer index (replicated)."""
         specs = cache_specs(state)
         return jax.shard_map(
             self._local, mesh=self.mesh,
-            in_specs=(_Q_SPEC, _Q_SPEC, _Q_SPEC, P(DATA, None), specs),
-            out_specs=(_Q_SPEC, specs), check_vma=False)(q, k, v, positions, state)
+            in_specs=(_Q_SPEC, _Q_SPEC, _Q_SPEC, P(DATA, None), specs, *(P() for _ in layer)),
+            out_specs=(_Q_SPEC, specs), check_vma=False)(q, k, v, positions, state, *layer)
 
-    def _local(self, q, k, v, positions, state):
+    def _local(self, q, k, v, positions, state, *layer):
         if not isinstance(state, kvcache.RegionKV):
-            return self.attend(q, k, v, positions, state)
+            return self.attend(q, k, v, positions, state, *layer)
         # The dense-fallback decision spans the whole batch, as on one device.
         out, state = self.attend(q, k, v, positions, state, batch_axis=DATA)
         return out, dataclasses.replace(state, keys_read=jax.lax.pmean(state.keys_read, MODEL))

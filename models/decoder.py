@@ -1,9 +1,8 @@
 """The decoder (Llama, Qwen2, Qwen3) as pure functions, with attention as a plug-in.
 
 :func:`forward_hidden` runs every layer's math except attention itself, which
-it calls as ``attention(q, k, v, positions, layer_state) -> (out, layer_state)``
-— the hook through which ``jaxkv.generate`` plugs a sparse method into a layer.
-:func:`forward` is the dense model: forward_hidden with the plain causal
+it calls through a hook — how ``jaxkv.generate`` plugs a sparse method into a
+layer. :func:`forward` is the dense model: forward_hidden with the plain causal
 attention of :func:`dense_causal_attention`, over the prompt itself or over a
 dense :class:`KVCache`.
 """
@@ -21,22 +20,34 @@ from models.errors import ModelError
 from models.params import LayerParams, Params
 from models.rope import apply_rope, inverse_frequencies
 
+# One layer's attention step, for a sequence of per-layer hooks:
 # attention(q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], positions [B,T], state) -> (out [B,T,Hq,hd], state)
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, object], tuple[jax.Array, object]]
+# One hook for every layer: it gets all layers' states (leading num_layers axis) and
+# the layer's index, and returns all of them, updating only its layer:
+# attention(q, k, v, positions, states, layer) -> (out, states)
+StackedAttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, object, jax.Array],
+                              tuple[jax.Array, object]]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Dense cache of every layer's keys and values (after k-norm and RoPE)."""
+    """Dense cache of keys and values (after k-norm and RoPE), head-major.
 
-    k: jax.Array  # [num_layers, B, max_len, num_kv_heads, head_dim]
-    v: jax.Array  # [num_layers, B, max_len, num_kv_heads, head_dim]
+    Leaves are [num_layers, B, num_kv_heads, max_len, head_dim] for every
+    layer, or [B, num_kv_heads, max_len, head_dim] for one layer. Head-major so
+    that a decode step's two contractions read K and V in place (a
+    position-major cache made XLA transpose both on every step).
+    """
+
+    k: jax.Array
+    v: jax.Array
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """An all-zero cache for ``batch`` sequences of up to ``max_len`` tokens."""
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    """An all-zero cache for ``batch`` sequences of up to ``max_len`` tokens, every layer."""
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
@@ -50,17 +61,19 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def dense_causal_attention(q, k_all, v_all, q_positions, kv_positions, *, query_block: int = 512) -> jax.Array:
     """Softmax attention where a query at position p sees the keys at positions <= p.
 
-    q [B, T, Hq, hd]; k_all, v_all [B, S, Hkv, hd]; q_positions [B, T];
-    kv_positions [B, S] or [S]. Query head h uses KV head h // (Hq/Hkv), as
-    HF's ``repeat_kv``. Scores and softmax in float32; returns [B, T, Hq, hd]
-    in q's dtype. Queries go ``query_block`` at a time (``lax.map``), so a long
-    prefill holds [Hq, query_block, S] scores at once, not [Hq, T, S].
+    q [B, T, Hq, hd]; k_all, v_all [B, Hkv, S, hd] (head-major, as :class:`KVCache`);
+    q_positions [B, T]; kv_positions [B, S] or [S]. Query head h uses KV head
+    h // (Hq/Hkv), as HF's ``repeat_kv``. Scores and softmax in float32; returns
+    [B, T, Hq, hd] in q's dtype. Queries go ``query_block`` at a time
+    (``lax.map``), so a long prefill holds [Hq, query_block, S] scores at once,
+    not [Hq, T, S].
     """
     b, t, hq, hd = q.shape
-    hkv = k_all.shape[2]
+    hkv = k_all.shape[1]
     if hq % hkv or k_all.shape != v_all.shape or k_all.shape[0] != b or k_all.shape[3] != hd:
-        raise ModelError(f"dense_causal_attention: q {q.shape} does not fit k {k_all.shape} / v {v_all.shape}")
-    kv_positions = jnp.broadcast_to(kv_positions, (b, k_all.shape[1]))
+        raise ModelError(f"dense_causal_attention: q {q.shape} does not fit k {k_all.shape} / v {v_all.shape} "
+                         "(expected head-major [B, Hkv, S, hd])")
+    kv_positions = jnp.broadcast_to(kv_positions, (b, k_all.shape[2]))
     if t <= query_block:
         return _attend_query_block(q, k_all, v_all, q_positions, kv_positions)
     n = -(-t // query_block)
@@ -75,25 +88,31 @@ def dense_causal_attention(q, k_all, v_all, q_positions, kv_positions, *, query_
 
 def _attend_query_block(q, k_all, v_all, q_positions, kv_positions):
     b, t, hq, hd = q.shape
-    hkv = k_all.shape[2]
+    hkv = k_all.shape[1]
     qg = q.reshape(b, t, hkv, hq // hkv, hd)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k_all, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k_all, preferred_element_type=jnp.float32) / math.sqrt(hd)
     visible = kv_positions[:, None, None, None, :] <= q_positions[:, None, None, :, None]
     # A finite floor, not -inf: a row that sees nothing stays finite instead of NaN.
     s = jnp.where(visible, s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1).astype(v_all.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", p, v_all, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bksd->btkgd", p, v_all, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, hd).astype(q.dtype)
 
 
 def forward_hidden(params: Params, config: ModelConfig, tokens, positions, states,
-                   attention: AttentionFn | Sequence[AttentionFn]):
+                   attention: StackedAttentionFn | Sequence[AttentionFn]):
     """Embed, run every layer with the given attention step, final-norm.
 
-    tokens, positions: [B, T] int32. ``attention`` is one callable (``states``
-    then has a leading num_layers axis on every leaf and layers run under
-    ``lax.scan``) or a sequence of num_layers callables (``states`` a tuple of
-    per-layer states; a Python loop, for layers of different kinds).
+    tokens, positions: [B, T] int32. ``attention`` is either
+
+    * one :data:`StackedAttentionFn` for every layer: ``states`` has a leading
+      num_layers axis on every leaf and rides in the carry of a ``lax.scan``
+      over layers; the hook gets the layer index and updates that layer in
+      place (scanning the states as xs → ys would copy every layer's cache on
+      every decode step), or
+    * a sequence of num_layers :data:`AttentionFn` (``states`` a tuple of
+      per-layer states; a Python loop, for layers of different kinds).
+
     Returns (hidden [B, T, D] after the final norm, new states).
     """
     _check_tokens(tokens, positions)
@@ -106,9 +125,12 @@ def forward_hidden(params: Params, config: ModelConfig, tokens, positions, state
     if callable(attention):
         _check_stacked_states(states, config.num_layers)
 
-        def scan_body(x, layer_and_state):
-            return layer_step(x, *layer_and_state, attention)
-        x, states = jax.lax.scan(scan_body, x, (params.layers, states))
+        def scan_body(carry, layer_and_index):
+            x, states = carry
+            layer, index = layer_and_index
+            x, states = layer_step(x, layer, states, lambda q, k, v, pos, st: attention(q, k, v, pos, st, index))
+            return (x, states), None
+        (x, states), _ = jax.lax.scan(scan_body, (x, states), (params.layers, jnp.arange(config.num_layers)))
     elif isinstance(attention, Sequence) and len(attention) == config.num_layers:
         if len(states) != config.num_layers:
             raise ModelError(f"states: expected {config.num_layers} per-layer states, found {len(states)}")
@@ -149,25 +171,28 @@ def forward(params: Params, config: ModelConfig, tokens, cache: KVCache | None =
     return lm_head(params, config, hidden), cache
 
 
-def _self_attention(q, k, v, positions, state):
-    """Dense attention over the tokens of this call only (no cache)."""
-    return dense_causal_attention(q, k, v, positions, positions), state
+def _self_attention(q, k, v, positions, states, layer):
+    """Dense attention over the tokens of this call only (no cache, no state)."""
+    return dense_causal_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), positions, positions), states
 
 
-def cached_attention(q, k, v, positions, layer_cache: KVCache):
-    """Write this call's k, v at their positions, then attend the whole cache.
+def cached_attention(q, k, v, positions, cache: KVCache, layer=None):
+    """Write this call's k, v at their positions, then attend to the whole cache.
 
-    The attention step of one layer over its dense cache (leaves [B, max_len, Hkv, hd]).
+    ``cache`` is one layer's (leaves [B, Hkv, max_len, hd]; an :data:`AttentionFn`),
+    or every layer's with ``layer`` the one to use (a :data:`StackedAttentionFn`).
+    Only the new tokens are written; positions past max_len are dropped.
     """
-    cache_k, cache_v = layer_cache.k, layer_cache.v
-
-    def write(cache_rows, pos, new):
-        return cache_rows.at[pos].set(new.astype(cache_rows.dtype))
-
-    cache_k = jax.vmap(write)(cache_k, positions, k)
-    cache_v = jax.vmap(write)(cache_v, positions, v)
-    kv_positions = jnp.arange(cache_k.shape[1], dtype=jnp.int32)
-    return dense_causal_attention(q, cache_k, cache_v, positions, kv_positions), KVCache(k=cache_k, v=cache_v)
+    rows = jnp.arange(q.shape[0])[:, None]
+    at = (rows, slice(None), positions) if layer is None else (layer, rows, slice(None), positions)
+    # Indexing [B,1] rows and [B,T] positions around the head slice puts them first: [B, T, Hkv, hd].
+    cache = KVCache(k=cache.k.at[at].set(k.astype(cache.k.dtype), mode="drop"),
+                    v=cache.v.at[at].set(v.astype(cache.v.dtype), mode="drop"))
+    layer_k, layer_v = (cache.k, cache.v) if layer is None else (
+        jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False),
+        jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False))
+    kv_positions = jnp.arange(layer_k.shape[2], dtype=jnp.int32)
+    return dense_causal_attention(q, layer_k, layer_v, positions, kv_positions), cache
 
 
 def _layer(layer: LayerParams, config: ModelConfig, inv_freq, x, positions, state, attention):
@@ -197,11 +222,12 @@ def _project(h, w, bias):
 
 
 def _check_cache(cache: KVCache, config: ModelConfig, batch: int) -> None:
-    expected = (config.num_layers, batch, None, config.num_kv_heads, config.head_dim)
+    expected = (config.num_layers, batch, config.num_kv_heads, None, config.head_dim)
     for name, array in (("cache.k", cache.k), ("cache.v", cache.v)):
         if array.ndim != 5 or any(e not in (None, f) for e, f in zip(expected, array.shape)):
-            raise ModelError(f"{name}: expected shape [num_layers={config.num_layers}, B={batch}, max_len, "
-                             f"num_kv_heads={config.num_kv_heads}, head_dim={config.head_dim}], found {array.shape}")
+            raise ModelError(f"{name}: expected shape [num_layers={config.num_layers}, B={batch}, "
+                             f"num_kv_heads={config.num_kv_heads}, max_len, head_dim={config.head_dim}], "
+                             f"found {array.shape}")
 
 
 def _check_stacked_states(states, num_layers: int) -> None:

@@ -65,8 +65,8 @@ def prefill_state(method, mcfg, ccfg, prompt_lengths, capacity, h, d, seed):
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     k = jax.random.normal(key_k, (b, t, h, d), jnp.float32)
     v = tagged_values(key_v, positions, b, h, d)
-    state = kvcache.regions_from_prefill(
-        k, v, jnp.asarray(prompt_lengths, jnp.int32), method=method, mcfg=mcfg, ccfg=ccfg,
+    state = kvcache.regions_from_prefill(  # the staging cache is head-major
+        k.swapaxes(1, 2), v.swapaxes(1, 2), jnp.asarray(prompt_lengths, jnp.int32), method=method, mcfg=mcfg, ccfg=ccfg,
         capacity=capacity, key=jax.random.key(seed + 1))
     # Un-jitted, keys_read and keys_seen share one zeros buffer: copy before donating.
     return jax.tree.map(jnp.copy, state)

@@ -21,7 +21,8 @@ def _config(**kw):
 
 @functools.partial(jax.jit, static_argnames=("mcfg", "ccfg", "capacity"))
 def _prefill(k, v, lengths, mcfg, ccfg, capacity):
-    return kvcache.regions_from_prefill(k, v, lengths, method=topk, mcfg=mcfg, ccfg=ccfg,
+    """Regions from position-major test arrays [B, T, H, d] (the staging cache is head-major)."""
+    return kvcache.regions_from_prefill(k.swapaxes(1, 2), v.swapaxes(1, 2), lengths, method=topk, mcfg=mcfg, ccfg=ccfg,
                                         capacity=capacity, key=jax.random.key(0))
 
 
@@ -117,7 +118,8 @@ def _magicpig_decode(offload: bool, steps: int = 12):
     live = np.arange(total)[None, :, None, None] < lengths[:, None, None, None]
     prefill = jax.jit(functools.partial(kvcache.regions_from_prefill, method=magicpig, mcfg=mcfg, ccfg=ccfg,
                                         capacity=total + U, key=jax.random.key(0)))
-    state = prefill(jnp.asarray(np.where(live, full_k, 0)), jnp.asarray(np.where(live, full_v, 0)),
+    state = prefill(jnp.asarray(np.where(live, full_k, 0).swapaxes(1, 2)),
+                    jnp.asarray(np.where(live, full_v, 0).swapaxes(1, 2)),
                     jnp.asarray(lengths))
     append = jax.jit(functools.partial(kvcache.append, method=magicpig, mcfg=mcfg, ccfg=ccfg))
     rows = np.arange(b)

@@ -127,7 +127,7 @@ def _lower_retrieval_step(method, mcfg, capacity, offload=False):
     state = jax.eval_shape(
         lambda k, v, n: kvcache.regions_from_prefill(k, v, n, method=method, mcfg=mcfg, ccfg=ccfg,
                                                      capacity=capacity, key=jax.random.key(0)),
-        f32((batch, 2048, kv_heads, d)), f32((batch, 2048, kv_heads, d)),
+        f32((batch, kv_heads, 2048, d)), f32((batch, kv_heads, 2048, d)),
         jax.ShapeDtypeStruct((batch,), jnp.int32))
     return lower_for_cuda(
         lambda q, st: kvcache._retrieval_sparse(q, st, method=method, mcfg=mcfg, ccfg=ccfg),

@@ -123,7 +123,7 @@ def test_forward_shape_errors():
     tokens = jnp.zeros((1, 5), jnp.int32)
     positions = jnp.zeros((1, 5), jnp.int32)
     with pytest.raises(models.ModelError,
-                       match=r"cache.k: expected shape \[num_layers=2, B=1, .*found \(2, 3, 16, 2, 8\)"):
+                       match=r"cache.k: expected shape \[num_layers=2, B=1, num_kv_heads=2, max_len, .*found \(2, 3, 2, 16, 8\)"):
         models.forward(params, CONFIG, tokens, models.init_cache(CONFIG, 3, 16))
     with pytest.raises(models.ModelError, match="attention: expected a callable or a sequence of 2 callables"):
         models.forward_hidden(params, CONFIG, tokens, positions, (None,), (lambda *a: a,))

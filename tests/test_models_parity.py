@@ -108,10 +108,14 @@ def test_per_layer_callables_match_scan(build_reference):
 
     def attention(q, k, v, pos, state):
         calls.append(q.shape)
-        return models.dense_causal_attention(q, k, v, pos, pos), state + 1
+        return models.dense_causal_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), pos, pos), state + 1
+
+    def stacked_attention(q, k, v, pos, states, layer):
+        out, _ = attention(q, k, v, pos, 0)
+        return out, states.at[layer].add(1)
 
     run = jax.jit(models.forward_hidden, static_argnums=(1, 5))
-    scanned, scan_states = run(params, config, tokens, positions, jnp.zeros(config.num_layers), attention)
+    scanned, scan_states = run(params, config, tokens, positions, jnp.zeros(config.num_layers), stacked_attention)
     looped, loop_states = run(params, config, tokens, positions, (0,) * config.num_layers,
                               (attention,) * config.num_layers)
     np.testing.assert_allclose(np.asarray(looped), np.asarray(scanned), rtol=0, atol=1e-5)
@@ -193,8 +197,8 @@ def test_bfloat16_params_compute_in_bfloat16(build_reference):
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
-    def self_attention(q, k, v, pos, state):
-        return models.dense_causal_attention(q, k, v, pos, pos), state
+    def self_attention(q, k, v, pos, states, layer):
+        return models.dense_causal_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), pos, pos), states
 
     hidden, _ = jax.jit(models.forward_hidden, static_argnums=(1, 5))(
         params, config, tokens, positions, (), self_attention)
@@ -216,7 +220,8 @@ def test_dense_causal_attention_matches_numpy_reference(query_block):
     q, k, v = (rng.standard_normal(shape).astype(np.float32)
                for shape in ((b, t, hq, hd), (b, s, hkv, hd), (b, s, hkv, hd)))
     q_pos = np.stack([np.arange(t) + 3, np.arange(t) + 8]).astype(np.int32)  # rows at different offsets
-    out = models.dense_causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos),
+    head_major = lambda x: jnp.asarray(x.swapaxes(1, 2))  # noqa: E731  (the cache's layout)
+    out = models.dense_causal_attention(jnp.asarray(q), head_major(k), head_major(v), jnp.asarray(q_pos),
                                         jnp.arange(s, dtype=jnp.int32), query_block=query_block)
     k_rep, v_rep = np.repeat(k, hq // hkv, axis=2), np.repeat(v, hq // hkv, axis=2)
     scores = np.einsum("bthd,bshd->bhts", q.astype(np.float64), k_rep) / np.sqrt(hd)

@@ -68,8 +68,8 @@ PARAM_MODEL_AXIS = {".layers.wq": 2, ".layers.wk": 2, ".layers.wv": 2, ".layers.
 
 def _state_axes(path: str, ndim: int):
     """(batch axis, KV-head axis) of a decode-state leaf, by what the leaf is."""
-    if path.endswith((".k", ".v")):  # dense cache: [L, B, T, Hkv, hd] stacked or [B, T, Hkv, hd]
-        return (1, 3) if ndim == 5 else (0, 2)
+    if path.endswith((".k", ".v")):  # dense cache: [L, B, Hkv, T, hd] stacked or [B, Hkv, T, hd]
+        return (1, 2) if ndim == 5 else (0, 1)
     if path.endswith(("_len", ".keys_read", ".keys_seen")):  # per-row counters [B]
         return 0, None
     return 0, 1  # every other RegionKV leaf, index included: [B, Hkv, ...]

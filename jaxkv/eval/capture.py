@@ -30,14 +30,14 @@ class Captured:
         return self.keys.shape[0]
 
 
-def _capturing_attention(q, k, v, positions, state, *, first_query: int):
-    """Dense attention that also records q at positions >= first_query."""
+def _capturing_attention(q, k, v, positions, state, layer, *, first_query: int):
+    """Dense attention (a StackedAttentionFn) that also records q at positions >= first_query."""
     kv, q_buf = state
-    out, kv = models.cached_attention(q, k, v, positions, kv)
+    out, kv = models.cached_attention(q, k, v, positions, kv, layer)
     slot = positions - first_query
-    slot = jnp.where(slot >= 0, slot, q_buf.shape[1])  # out of range → dropped
+    slot = jnp.where(slot >= 0, slot, q_buf.shape[2])  # out of range → dropped
     rows = jnp.arange(q.shape[0])[:, None]
-    q_buf = q_buf.at[rows, slot].set(q.astype(q_buf.dtype), mode="drop")
+    q_buf = q_buf.at[layer, rows, slot].set(q.astype(q_buf.dtype), mode="drop")
     return out, (kv, q_buf)
 
 
@@ -67,8 +67,8 @@ def capture(params, config, tokens, n_queries: int = 64, chunk: int = 512) -> Ca
                                state, first_query=n - n_queries)
     kv, q_buf = state
     g = config.num_heads // config.num_kv_heads
-    keys = np.asarray(kv.k[:, 0, :n], np.float32).transpose(0, 2, 1, 3)
-    values = np.asarray(kv.v[:, 0, :n], np.float32).transpose(0, 2, 1, 3)
+    keys = np.asarray(kv.k[:, 0, :, :n], np.float32)
+    values = np.asarray(kv.v[:, 0, :, :n], np.float32)
     queries = np.asarray(q_buf[:, 0], np.float32)  # [L, Q, Hq, hd]
     queries = queries.reshape(config.num_layers, n_queries, config.num_kv_heads, g, config.head_dim)
     return Captured(keys=keys, values=values, queries=queries.transpose(0, 2, 3, 1, 4),
