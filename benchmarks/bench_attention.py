@@ -282,7 +282,9 @@ def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entrie
     if method is pariskv:
         cap = n - ccfg.sink - ccfg.local + ccfg.buffer
         b = pariskv.n_subspaces(mcfg, d)
-        per_head = {"select": n * b + pariskv.n_candidates(mcfg, cap) * (pariskv.padded_dim(d) // 2 + 4 * b),
+        # every key's sign bytes (its bucket ids) are voted on; the candidates' other code bytes reranked
+        per_candidate = pariskv.index_bytes_per_key(mcfg, d) - b
+        per_head = {"select": n * b + pariskv.n_candidates(mcfg, cap) * per_candidate,
                     "gather": sel_rows * row, "exact": exact}
     else:
         per_head = {"select": entries * 4 + d * mcfg.K * mcfg.L * 4,  # bucket ids read + the projection

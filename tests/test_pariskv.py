@@ -151,9 +151,8 @@ def test_insertion_then_retrieval_equals_building_at_once():
     grown = build(CFG, jnp.concatenate([keys[:300], garbage[300:]]), jnp.int32(300))
     grown = insert(CFG, grown, jnp.concatenate([keys[300:400], garbage[:50]]), jnp.int32(100))
     grown = insert(CFG, grown, jnp.concatenate([keys[400:], garbage[50:100]]), jnp.int32(100))
-    for field in dataclasses.fields(pariskv.ParisKVIndex):
-        np.testing.assert_array_equal(getattr(grown, field.name), getattr(at_once, field.name),
-                                      err_msg=field.name)
+    for (path, leaf), expected in zip(jax.tree_util.tree_leaves_with_path(grown), jax.tree.leaves(at_once)):
+        np.testing.assert_array_equal(leaf, expected, err_msg=jax.tree_util.keystr(path))
     q = _normal(13, (2, D))
     np.testing.assert_array_equal(retrieve(CFG, grown, q), retrieve(CFG, at_once, q))
 
@@ -214,10 +213,10 @@ def test_official_levels_switch_codes_with_the_official_table():
     derived = build(CFG, keys, jnp.int32(CAP))
     u = np.asarray(rotate(CFG, keys)).reshape(CAP, -1, 8)
     u = np.abs(u / np.linalg.norm(u, axis=-1, keepdims=True)).reshape(CAP, D)
-    magnitude = np.asarray(rsq.unpack_nibbles(official.codes)) & 7
+    magnitude = np.asarray(rsq.magnitude_cells(official.codes.magnitudes))
     np.testing.assert_array_equal(
         magnitude, np.searchsorted(rsq.OFFICIAL_M8_THRESHOLDS, u, side="right"))
-    assert not np.array_equal(official.codes, derived.codes)
+    assert not np.array_equal(official.codes.magnitudes, derived.codes.magnitudes)
 
 
 # ---------------------------------------------------------------- sizes and config
@@ -225,8 +224,9 @@ def test_official_levels_switch_codes_with_the_official_table():
 def test_index_bytes_per_key_counts_the_stored_rows():
     cfg = ParisKVConfig()
     index = pariskv.empty_index(cfg, 10, 128)
-    per_row = sum(getattr(index, f).nbytes for f in ("signs", "codes", "weight")) // 10
-    assert pariskv.index_bytes_per_key(cfg, 128) == per_row == 16 + 64 + 64
+    per_row = sum(x.nbytes for x in jax.tree.leaves(index.codes)) // 10
+    # sign bytes (the bucket ids) 16 + 3-bit magnitudes 48 + bf16 scale 2 + 4-bit weights 8.
+    assert pariskv.index_bytes_per_key(cfg, 128) == per_row == 16 + 48 + 2 + 8
 
 
 @pytest.mark.parametrize("capacity, expected", [
@@ -278,8 +278,9 @@ def test_index_layout_matches_the_pallas_kernels_references():
     q_mean = q.mean(0)
     candidates = jnp.arange(0, CAP, 3)
     _, centres = rsq.lloyd_max_levels(8)
+    nibbles, weight = rsq.kernel_layout(index.codes, cfg.m)
     kernel_scores = rerank.rsq_rerank_reference(
-        rotate(cfg, q_mean), jnp.linalg.norm(q_mean), index.codes, index.weight,
+        rotate(cfg, q_mean), jnp.linalg.norm(q_mean), nibbles, weight,
         jnp.asarray(centres, jnp.float32), candidates)
     # Same float32 arithmetic in a different order: 1e-5 relative.
     np.testing.assert_allclose(kernel_scores, rerank_scores(cfg, index, q, candidates),

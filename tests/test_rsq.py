@@ -9,15 +9,15 @@ from jaxkv.attention import rsq
 # Jitted once per (m, levels), levels as hashable tuples: op-by-op dispatch
 # dominates these tests' time otherwise.
 _jitted_encode = jax.jit(rsq.encode, static_argnums=(2, 3, 4))
-_jitted_estimate = jax.jit(rsq.estimate, static_argnums=(4, 5))
+_jitted_estimate = jax.jit(rsq.estimate, static_argnums=(3, 4))
 
 
 def _encode(y, key_norm, m, thresholds, centres):
     return _jitted_encode(y, key_norm, m, tuple(thresholds), tuple(centres))
 
 
-def _estimate(packed, weight, q_rot, q_norm, m, centres):
-    return _jitted_estimate(packed, weight, q_rot, q_norm, m, tuple(centres))
+def _estimate(codes, q_rot, q_norm, m, centres):
+    return _jitted_estimate(codes, q_rot, q_norm, m, tuple(centres))
 
 # DESIGN.md: converged Lloyd–Max levels of |u_j|, u uniform on S^7 (m = 8).
 CONVERGED_M8_THRESHOLDS = [0.0853, 0.1716, 0.2603, 0.3528, 0.4516, 0.5612, 0.6921]
@@ -89,38 +89,94 @@ def _unit_rows(key, n, p):
     return y / jnp.linalg.norm(y, axis=-1, keepdims=True)
 
 
+def _weights_f32(y, key_norm, m, thresholds, centres):
+    """The unquantised w_b = ‖k‖·r_b/α_b, in float64 numpy from the definition."""
+    blocks = np.asarray(y, np.float64).reshape(y.shape[0], -1, m)
+    r = np.linalg.norm(blocks, axis=-1)
+    u = blocks / np.where(r > 0, r, 1)[..., None]
+    v = np.sign(np.where(u >= 0, 1, -1)) * np.asarray(centres)[np.searchsorted(thresholds, np.abs(u), side="right")]
+    alpha = np.sum(v * u, axis=-1)
+    return np.where(r > 0, np.asarray(key_norm)[:, None] * r / np.where(r > 0, alpha, 1), 0)
+
+
 def test_codes_hold_sign_and_lloyd_max_cell_of_each_coordinate():
     m, p = 8, 64
     thresholds, centres = rsq.lloyd_max_levels(m)
     y = _unit_rows(jax.random.key(0), 50, p)
-    packed, _ = _encode(y, jnp.ones(50), m, thresholds, centres)
-    codes = np.asarray(rsq.unpack_nibbles(packed))
+    codes = _encode(y, jnp.ones(50), m, thresholds, centres)
     blocks = np.asarray(y, np.float64).reshape(50, -1, m)
     u = (blocks / np.linalg.norm(blocks, axis=-1, keepdims=True)).reshape(50, p)
-    np.testing.assert_array_equal(codes >> 3, (u < 0).astype(np.uint8))  # sign bit = negative
-    np.testing.assert_array_equal(codes & 7, np.searchsorted(thresholds, np.abs(u), side="right"))
+    assert codes.signs.shape == (50, p // m) and codes.magnitudes.shape == (50, 3, p // 8)
+    nonnegative = (np.asarray(codes.signs)[:, :, None] >> np.arange(m)) & 1
+    np.testing.assert_array_equal(nonnegative.reshape(50, p), (u >= 0).astype(np.uint8))
+    np.testing.assert_array_equal(rsq.magnitude_cells(codes.magnitudes),
+                                  np.searchsorted(thresholds, np.abs(u), side="right"))
+    # The kernel's nibbles hold the same cell with the sign bit set for negative coordinates.
+    nibbles, _ = rsq.kernel_layout(codes, m)
+    unpacked = np.asarray(rsq.unpack_nibbles(nibbles))
+    np.testing.assert_array_equal(unpacked >> 3, (u < 0).astype(np.uint8))
+    np.testing.assert_array_equal(unpacked & 7, np.searchsorted(thresholds, np.abs(u), side="right"))
 
 
-def test_estimate_is_exact_when_query_subspaces_are_parallel_to_the_key():
+def test_magnitude_bit_planes_round_trip_every_cell():
+    cells = jnp.asarray(np.random.default_rng(0).integers(0, 8, (5, 64)), jnp.uint8)
+    signs = jnp.full((5, 8), 0xFF, jnp.uint8)
+    planes = jnp.stack([rsq._pack_bits((cells >> i) & 1) for i in range(3)], axis=-2)
+    np.testing.assert_array_equal(rsq.magnitude_cells(planes), cells)
+    centres = np.arange(8) / 10
+    np.testing.assert_array_equal(rsq.dequantise(signs, planes, 8, centres), centres[np.asarray(cells)].astype(np.float32))
+
+
+def test_weights_are_a_bf16_scale_times_4_bit_multiples_within_half_a_step():
+    m, p, n = 8, 64, 200
+    thresholds, centres = rsq.lloyd_max_levels(m)
+    y = _unit_rows(jax.random.key(7), n, p)
+    key_norm = jnp.exp(jax.random.normal(jax.random.key(8), (n,)) * 3)  # norms over e^±9
+    codes = _encode(y, key_norm, m, thresholds, centres)
+    exact = _weights_f32(y, key_norm, m, thresholds, centres)
+    got = np.asarray(rsq.subspace_weights(codes, p // m), np.float64)
+    step = np.asarray(codes.scale, np.float64)[:, None]
+    # Rounding to the nearest multiple of the (bf16-rounded) scale: half a step,
+    # plus float32 rounding of the inputs (1e-5 relative).
+    assert np.all(np.abs(got - exact) <= 0.5 * step + 1e-5 * exact)
+    # The largest weight of every key is 15 steps, to bf16's relative precision (2^-8).
+    np.testing.assert_allclose(got.max(axis=1), exact.max(axis=1), rtol=2**-8)
+
+
+def test_estimate_is_exact_up_to_weight_rounding_when_query_subspaces_are_parallel_to_the_key():
     # With q_b = c_b·u_b the ratio ⟨v_b, q_b⟩/⟨v_b, u_b⟩ is c_b whatever the code v_b,
-    # so the calibrated estimate carries no quantisation error at all.
+    # so the calibrated estimate carries no quantisation error but the weights' own.
     m, p, n = 8, 64, 40
     thresholds, centres = rsq.lloyd_max_levels(m)
     y = _unit_rows(jax.random.key(1), n, p)
     c = jax.random.normal(jax.random.key(2), (n, p // m, 1))
     q = (y.reshape(n, -1, m) * c).reshape(n, p)
-    packed, weight = _encode(y, 3.0 * jnp.ones(n), m, thresholds, centres)
-    got = jax.vmap(lambda pk, w, qq: _estimate(pk[None], w[None], qq, 2.0, m, centres)[0])(
-        packed, weight, q)
+    codes = _encode(y, 3.0 * jnp.ones(n), m, thresholds, centres)
+    got = jax.vmap(lambda row, qq: _estimate(jax.tree.map(lambda x: x[None], row), qq, 2.0, m, centres)[0])(
+        codes, q)
+    # Exact with the stored weights: Σ_b w_b·c_b·r_b... = ‖q‖·Σ_b w_b·(r_b·c_b)/r_b·r_b.
+    weights = np.asarray(rsq.subspace_weights(codes, p // m), np.float64)
+    r = np.linalg.norm(np.asarray(y, np.float64).reshape(n, -1, m), axis=-1)
+    alpha = 3.0 * r / _weights_f32(y, 3.0 * np.ones(n), m, thresholds, centres)
+    expected = 2.0 * np.sum(weights * alpha * np.asarray(c[..., 0]) * r, axis=-1)
     # float32 sums of 64 terms of size ≤ 6: 1e-5 relative is ample.
-    np.testing.assert_allclose(got, 3.0 * 2.0 * jnp.sum(y * q, axis=-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_zero_subspace_gets_zero_weight_not_nan():
     thresholds, centres = rsq.lloyd_max_levels(8)
     y = jnp.zeros((1, 16)).at[0, 3].set(1.0)  # second subspace all zero
-    _, weight = _encode(y, jnp.ones(1), 8, thresholds, centres)
-    assert np.isfinite(np.asarray(weight)).all() and weight[0, 1] == 0.0
+    codes = _encode(y, jnp.ones(1), 8, thresholds, centres)
+    weight = rsq.subspace_weights(codes, 2)
+    assert np.isfinite(np.asarray(weight)).all() and weight[0, 1] == 0.0 and weight[0, 0] > 0
+
+
+def test_bytes_per_key_is_under_15_percent_of_bf16_kv():
+    # d = 64: 8 sign bytes + 24 magnitude bytes + 2 (scale) + 4 (weights) = 38 of 256.
+    assert rsq.bytes_per_key(64, 8) == 38 and rsq.bytes_per_key(128, 8) == 74
+    codes = rsq.empty_codes(10, 128, 8)
+    assert sum(x.nbytes for x in jax.tree.leaves(codes)) == 10 * 74
+    assert 74 / (2 * 2 * 128) < 0.15
 
 
 @pytest.mark.parametrize("official", [False, True])
@@ -134,8 +190,8 @@ def test_estimate_is_calibrated_and_highly_correlated_at_m8(official):
     noise = noise / jnp.linalg.norm(noise, axis=-1, keepdims=True)
     cos = jnp.linspace(-0.9, 0.9, n)
     y = cos[:, None] * q + jnp.sqrt(1 - cos**2)[:, None] * noise
-    packed, weight = _encode(y, jnp.ones(n), m, thresholds, centres)
-    est = np.asarray(_estimate(packed, weight, q, 1.0, m, centres), np.float64)
+    codes = _encode(y, jnp.ones(n), m, thresholds, centres)
+    est = np.asarray(_estimate(codes, q, 1.0, m, centres), np.float64)
     true = np.asarray(y @ q, np.float64)
     err = est - true
     assert np.corrcoef(est, true)[0, 1] > 0.95

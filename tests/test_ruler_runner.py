@@ -152,7 +152,7 @@ def test_index_bytes_per_key_match_design():
     assert rr.index_bytes_per_key(methods["magicpig_K10L150"], 64) == 600
     assert rr.index_bytes_per_key(methods["magicpig_K10L75"], 64) == 300
     # ParisKV, d=64, m=8: 8 subspaces -> 8 B bucket ids + 32 B of 4-bit codes + 8 f32 weights.
-    assert rr.index_bytes_per_key(methods["pariskv"], 64) == 8 + 32 + 32
+    assert rr.index_bytes_per_key(methods["pariskv"], 64) == 8 + 24 + 2 + 4
     assert rr.index_bytes_per_key(methods["topk"], 64) == 0
 
 

@@ -190,8 +190,9 @@ def read_stats(cfg: HybridConfig, index: HybridIndex, q: jax.Array,
         capacity, b = index.head.signs.shape
         k = n_head_slots(cfg, capacity)
         head_rows = jnp.sum(jnp.any(selection.mask[..., :k].reshape(-1, k), axis=0).astype(jnp.int32))
-        per_candidate = index.head.codes.shape[1] + index.head.weight.shape[1] * 4
-        # every valid key's bucket ids are voted on; only the candidates' codes are read
+        # every valid key's bucket ids (its sign bytes) are voted on; only the
+        # candidates' other code bytes (magnitudes, weights) are read
+        per_candidate = sum(x.nbytes for x in jax.tree.leaves(index.head.codes)) // capacity - b
         candidates = jnp.minimum(pariskv.n_candidates(pcfg, capacity), index.head.n)
         head_bytes = (index.head.n * b + candidates * per_candidate).astype(jnp.float32)
     tail_rows, tail_bytes = zero_rows, zero_bytes

@@ -106,11 +106,14 @@ class ParisKVConfig:
 class ParisKVIndex:
     """Index of one KV head's retrieval region; rows >= n are unused."""
 
-    signs: jax.Array          # uint8 [cap, B] bucket id per subspace
-    codes: jax.Array          # uint8 [cap, P/2] RSQ-IP nibbles, low nibble = even coordinate
-    weight: jax.Array         # float32 [cap, B] calibration w_b = ‖k‖·r_b/α_b
+    codes: rsq.RSQCodes       # leaves [cap, ...]; codes.signs uint8 [cap, B] is the bucket id per subspace
     bucket_counts: jax.Array  # int32 [B, 2^m] valid keys per (subspace, bucket)
     n: jax.Array              # int32 valid rows
+
+    @property
+    def signs(self) -> jax.Array:
+        """uint8 [cap, B]: each key's bucket id (sign pattern) per subspace — what the coarse stage reads."""
+        return self.codes.signs
 
 
 # ---------------------------------------------------------------- static sizes
@@ -124,6 +127,8 @@ def n_subspaces(cfg: ParisKVConfig, d: int) -> int:
     p = padded_dim(d)
     if p % cfg.m:
         raise ValueError(f"ParisKVConfig.m={cfg.m} must divide the padded head dim {p} (d={d})")
+    if p < 8:  # the magnitude bit planes hold 8 coordinates per byte
+        raise ValueError(f"ParisKV needs a head dim of at least 5 (padded to 8), got d={d}")
     return p // cfg.m
 
 
@@ -150,9 +155,9 @@ def n_candidates(cfg: ParisKVConfig, capacity: int) -> int:
 
 
 def index_bytes_per_key(cfg: ParisKVConfig, d: int) -> int:
-    """Index memory per key: bucket ids (1 B per subspace) + 4-bit codes + f32 weights."""
-    b = n_subspaces(cfg, d)
-    return b + padded_dim(d) // 2 + 4 * b
+    """Index memory per key: sign bytes (= bucket ids) + 3-bit magnitudes + bf16 scale + 4-bit weights."""
+    n_subspaces(cfg, d)  # validates m
+    return rsq.bytes_per_key(padded_dim(d), cfg.m)
 
 
 # ---------------------------------------------------------------- transform
@@ -186,8 +191,7 @@ def rotate(cfg: ParisKVConfig, x: jax.Array) -> jax.Array:
 
 def bucket_ids(cfg: ParisKVConfig, y: jax.Array) -> jax.Array:
     """Sign pattern per subspace: y[..., P] → uint8 [..., P/m], bit j ⇔ y[b·m + j] ≥ 0."""
-    bits = (y >= 0).reshape(*y.shape[:-1], -1, cfg.m).astype(jnp.uint8)
-    return jnp.sum(bits << jnp.arange(cfg.m, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
+    return rsq.sign_bytes(y, cfg.m)
 
 
 def _levels(cfg: ParisKVConfig):
@@ -199,9 +203,7 @@ def _levels(cfg: ParisKVConfig):
 def empty_index(cfg: ParisKVConfig, capacity: int, d: int) -> ParisKVIndex:
     b, p = n_subspaces(cfg, d), padded_dim(d)
     return ParisKVIndex(
-        signs=jnp.zeros((capacity, b), jnp.uint8),
-        codes=jnp.zeros((capacity, p // 2), jnp.uint8),
-        weight=jnp.zeros((capacity, b), jnp.float32),
+        codes=rsq.empty_codes(capacity, p, cfg.m),
         bucket_counts=jnp.zeros((b, 2**cfg.m), jnp.int32),
         n=jnp.int32(0),
     )
@@ -229,16 +231,13 @@ def insert(cfg: ParisKVConfig, index: ParisKVIndex, keys_new: jax.Array, count) 
     """
     capacity = index.signs.shape[0]
     y = rotate(cfg, keys_new)
-    signs = bucket_ids(cfg, y)
     thresholds, centres = _levels(cfg)
-    codes, weight = rsq.encode(y, jnp.linalg.norm(keys_new.astype(jnp.float32), axis=-1),
-                               cfg.m, thresholds, centres)
+    codes = rsq.encode(y, jnp.linalg.norm(keys_new.astype(jnp.float32), axis=-1), cfg.m, thresholds, centres)
+    signs = codes.signs
     target, live = append_targets(index.n, keys_new.shape[0], count, capacity)
     subspace = jnp.arange(signs.shape[1])[None, :]
     return ParisKVIndex(
-        signs=index.signs.at[target].set(signs, mode="drop"),
-        codes=index.codes.at[target].set(codes, mode="drop"),
-        weight=index.weight.at[target].set(weight, mode="drop"),
+        codes=jax.tree.map(lambda rows, new: rows.at[target].set(new, mode="drop"), index.codes, codes),
         bucket_counts=index.bucket_counts.at[subspace, signs].add(
             jnp.broadcast_to(live[:, None], signs.shape).astype(jnp.int32)),
         n=index.n + jnp.sum(live, dtype=jnp.int32),
@@ -304,11 +303,14 @@ def _query(cfg: ParisKVConfig, q: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _rerank(cfg, index, q_rot, q_norm, candidate_idx):
     _, centres = _levels(cfg)
+    rows = jax.tree.map(lambda x: x[candidate_idx], index.codes)
     if cfg.uses_kernels():
-        return dispatch.rsq_rerank(q_rot, q_norm, index.codes, index.weight, jnp.asarray(centres, jnp.float32),
-                                   candidate_idx, **cfg.kernel_options())
-    return rsq.estimate(index.codes[candidate_idx], index.weight[candidate_idx],
-                        q_rot, q_norm, cfg.m, centres)
+        # The kernel reads 4-bit nibbles and f32 weights: the candidates' rows are
+        # converted after the gather (C rows, not the whole index).
+        nibbles, weight = rsq.kernel_layout(rows, cfg.m)
+        return dispatch.rsq_rerank(q_rot, q_norm, nibbles, weight, jnp.asarray(centres, jnp.float32),
+                                   jnp.arange(candidate_idx.shape[0]), **cfg.kernel_options())
+    return rsq.estimate(rows, q_rot, q_norm, cfg.m, centres)
 
 
 def rerank_scores(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array,

@@ -36,7 +36,7 @@ def at_capacity(indexes: recall.Indexes, n: int) -> recall.Indexes:
     """The indexes of one KV head cut to capacity n (n = their valid rows, static)."""
     p, q, g = indexes.pariskv, indexes.pqcache, indexes.magicpig
     return recall.Indexes(
-        pariskv=dataclasses.replace(p, signs=p.signs[:n], codes=p.codes[:n], weight=p.weight[:n]),
+        pariskv=dataclasses.replace(p, codes=jax.tree.map(lambda x: x[:n], p.codes)),
         pqcache=dataclasses.replace(q, codes=q.codes[:n]),
         magicpig=dataclasses.replace(g, sorted_ids=g.sorted_ids[:, :n]),
     )
