@@ -124,6 +124,13 @@ def attend_selection(q, k_rows, v_rows, selection: Selection) -> Partial:
     return partial_attention(q, k_rows, v_rows, selection.mask, selection.log_weight)
 
 
+def check_non_negative(cfg, *names: str) -> None:
+    """Raise ValueError naming the config field when any of ``names`` is negative (region sizes)."""
+    for name in names:
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{type(cfg).__name__}.{name} must be >= 0, got {getattr(cfg, name)}")
+
+
 def exact_and_retrieval_split(n: int, sink: int, local: int) -> tuple[int, int]:
     """(retrieval start, retrieval end) for a context of n keys; empty when n ≤ sink+local."""
     if n <= sink + local:

@@ -78,9 +78,7 @@ class ParisKVConfig:
             raise ValueError(f"ParisKVConfig.m must be in [2, {MAX_M}], got {self.m}")
         if self.top_k < 1:
             raise ValueError(f"ParisKVConfig.top_k must be >= 1, got {self.top_k}")
-        for name in ("sink", "local", "buffer"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"ParisKVConfig.{name} must be >= 0, got {getattr(self, name)}")
+        common.check_non_negative(self, "sink", "local", "buffer")
         for name in ("candidate_ratio", "collision_ratio"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:

@@ -38,9 +38,7 @@ class PQCacheConfig:
         if not 1 <= self.n_centroids <= MAX_CENTROIDS:
             raise ValueError(
                 f"PQCacheConfig.n_centroids must be in [1, {MAX_CENTROIDS}], got {self.n_centroids}")
-        for name in ("sink", "local"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"PQCacheConfig.{name} must be >= 0, got {getattr(self, name)}")
+        common.check_non_negative(self, "sink", "local")
 
 
 @jax.tree_util.register_dataclass

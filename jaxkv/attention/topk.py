@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxkv.attention import common
 from jaxkv.attention.common import Selection
 
 
@@ -26,9 +27,7 @@ class TopKConfig:
     def __post_init__(self):
         if self.top_k < 1:
             raise ValueError(f"TopKConfig.top_k must be >= 1, got {self.top_k}")
-        for name in ("sink", "local", "buffer"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TopKConfig.{name} must be >= 0, got {getattr(self, name)}")
+        common.check_non_negative(self, "sink", "local", "buffer")
 
 
 @jax.tree_util.register_dataclass
