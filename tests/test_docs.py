@@ -448,7 +448,7 @@ def _check_bench(argv, out_dir, out, err):
     result = _results(out_dir, "bench_attention.json", "bench_attention.md", "bench_attention.png")
     labels = [label for label, _, _ in sys.modules["bench_attention"].METHODS.values()]
     rows = result["rows"]
-    assert [r["method"] for r in rows] == ["dense", "dense head-major (partial_attention)", *labels]
+    assert [r["method"] for r in rows] == ["dense", *labels]
     assert all(r["N"] == int(_flag(argv, "--sizes")) and r["step"]["median_s"] > 0 for r in rows)
     assert not result["skipped"], result["skipped"]
 
