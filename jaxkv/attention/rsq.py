@@ -112,8 +112,7 @@ def bytes_per_key(p: int, m: int) -> int:
 
 def sign_bytes(y: jax.Array, m: int) -> jax.Array:
     """Sign pattern per subspace: y[..., P] → uint8 [..., P/m], bit j ⇔ y[b·m + j] ≥ 0."""
-    bits = (y >= 0).reshape(*y.shape[:-1], -1, m).astype(jnp.uint8)
-    return jnp.sum(bits << jnp.arange(m, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
+    return _pack_bits(y >= 0, m)
 
 
 def pack_nibbles(codes: jax.Array) -> jax.Array:
@@ -134,10 +133,10 @@ def _bits(x: jax.Array, n: int) -> jax.Array:
     return bits.reshape(*x.shape[:-1], x.shape[-1] * n)
 
 
-def _pack_bits(bits: jax.Array) -> jax.Array:
-    """uint8 0/1 [..., 8k] → uint8 [..., k], bit t of byte c from position 8c + t."""
-    grouped = bits.reshape(*bits.shape[:-1], -1, 8).astype(jnp.uint8)
-    return jnp.sum(grouped << jnp.arange(8, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
+def _pack_bits(bits: jax.Array, n: int = 8) -> jax.Array:
+    """0/1 [..., n·k] → uint8 [..., k], bit t of byte c from position c·n + t (inverse of :func:`_bits`)."""
+    grouped = bits.reshape(*bits.shape[:-1], -1, n).astype(jnp.uint8)
+    return jnp.sum(grouped << jnp.arange(n, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
 
 
 def magnitude_cells(magnitudes: jax.Array) -> jax.Array:
