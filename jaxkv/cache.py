@@ -207,7 +207,7 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     retr_k = k[:, :, s:s + capacity]
     retr_v = v[:, :, s:s + capacity]
     n = jnp.broadcast_to(retr_len[:, None], (b, h))
-    index = _vmap2(lambda kk, nn: method.build(mcfg, kk, nn, key))(retr_k, n)
+    index = _vmap2(lambda kk, vv, nn: common.build_index(method, mcfg, kk, vv, nn, key))(retr_k, retr_v, n)
     index = place_index(index, method, ccfg, host=True)
     return RegionKV(
         sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
@@ -230,7 +230,8 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
     # Inserting permutes whole id lists: host-resident index fields visit the
     # device once per flush (every U steps), not once per step.
     index = place_index(state.index, method, ccfg, host=False)
-    index = _vmap2(lambda ix, kk, c: method.insert(mcfg, ix, kk, c))(index, moved_k, count)
+    index = _vmap2(lambda ix, kk, vv, c: common.insert_index(method, mcfg, ix, kk, vv, c))(
+        index, moved_k, moved_v, count)
     index = place_index(index, method, ccfg, host=True)
 
     def shift(x):
@@ -314,7 +315,7 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
             return dispatch.gather_attention_heads(q, k, v, idx, mask, log_weight, **mcfg.kernel_options())
 
         o, l, m = jax.vmap(one_row)(q, state.retr_k, state.retr_v, sel.idx, sel.mask, sel.log_weight)
-        part = common.Partial(o=o, l=l, m=m)
+        part = _vmap2(common.with_rest)(common.Partial(o=o, l=l, m=m), sel)
     else:
         part = _vmap2(common.attend_selection)(q, k_rows, gather_rows(state.retr_v, sel.idx, ccfg), sel)
     reads = jnp.mean(_vmap2(lambda s: s.distinct_rows())(sel).astype(jnp.float32), axis=1)

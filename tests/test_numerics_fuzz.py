@@ -38,7 +38,8 @@ METHODS = {
     "pariskv": (pariskv, pariskv.ParisKVConfig(top_k=4, sink=SINK, local=LOCAL)),
     "pqcache": (pqcache, pqcache.PQCacheConfig(n_centroids=4, kmeans_iters=3, top_k=4, sink=SINK, local=LOCAL)),
     "topk": (topk, topk.TopKConfig(top_k=4, sink=SINK, local=LOCAL)),
-    "hybrid": (hybrid, hybrid.HybridConfig(top_k=2, K=4, L=8, sink=SINK, local=LOCAL)),
+    "hybrid": (hybrid, hybrid.HybridConfig(top_k=2, sink=SINK, local=LOCAL)),
+    "hybrid_lsh": (hybrid, hybrid.HybridConfig(top_k=2, tail="lsh", K=4, L=8, sink=SINK, local=LOCAL)),
 }
 
 

@@ -11,8 +11,10 @@ exactly by log-sum-exp, which is how the exact regions (sink, local, buffer) are
 combined with whatever a sparse method estimates over the retrieval region.
 
 A *selection* is what a sparse method hands to the gather step: static-capacity
-row indices into the retrieval region, a mask of which slots are real, and an
-additive score correction (MagicPIG's ``−log u``; zero for top-k retrieval).
+row indices into the retrieval region, a mask of which slots are real, an
+additive score correction (MagicPIG's ``−log u``; zero for top-k retrieval) and,
+optionally, a partial the method estimated from its index alone for rows it
+does not read (the hybrid's regression tail), merged with the rows read.
 """
 from __future__ import annotations
 
@@ -46,11 +48,14 @@ class Selection:
     mask:       [C] or [G, C] bool; per query head where heads sample separately.
     log_weight: None, [C] or [G, C] float32 added to the scores (importance
                 correction, e.g. −log u for MagicPIG).
+    rest:       None or a :class:`Partial` over rows that are NOT read, estimated
+                from index data; disjoint from the selected rows.
     """
 
     idx: jax.Array
     mask: jax.Array
     log_weight: jax.Array | None = None
+    rest: Partial | None = None
 
     def distinct_rows(self) -> jax.Array:
         """How many rows this selection reads (slots are distinct by construction)."""
@@ -119,9 +124,14 @@ def finalize(p: Partial) -> jax.Array:
     return p.o / safe_l[:, None]
 
 
+def with_rest(read: Partial, selection: Selection) -> Partial:
+    """The partial over the rows read, completed by the selection's estimate of the rest."""
+    return read if selection.rest is None else merge(read, selection.rest)
+
+
 def attend_selection(q, k_rows, v_rows, selection: Selection) -> Partial:
-    """Partial over gathered rows k_rows, v_rows [C, d] of a selection."""
-    return partial_attention(q, k_rows, v_rows, selection.mask, selection.log_weight)
+    """Partial over gathered rows k_rows, v_rows [C, d] of a selection (plus its ``rest``)."""
+    return with_rest(partial_attention(q, k_rows, v_rows, selection.mask, selection.log_weight), selection)
 
 
 def check_non_negative(cfg, *names: str) -> None:
@@ -136,6 +146,20 @@ def exact_and_retrieval_split(n: int, sink: int, local: int) -> tuple[int, int]:
     if n <= sink + local:
         return n, n
     return sink, n - local
+
+
+def build_index(method, cfg, keys, values, n, key):
+    """``method.build`` over keys[cap, d]; values too for a method whose index models them."""
+    if getattr(method, "INDEX_USES_VALUES", False):
+        return method.build(cfg, keys, n, key, values=values)
+    return method.build(cfg, keys, n, key)
+
+
+def insert_index(method, cfg, index, keys_new, values_new, count):
+    """``method.insert`` of keys_new[U, d]; values_new too for a method whose index models them."""
+    if getattr(method, "INDEX_USES_VALUES", False):
+        return method.insert(cfg, index, keys_new, count, values_new=values_new)
+    return method.insert(cfg, index, keys_new, count)
 
 
 def attend_with_method(method, cfg, q, keys, values, key=None):
@@ -156,7 +180,7 @@ def attend_with_method(method, cfg, q, keys, values, key=None):
     if end > start:
         key = jax.random.key(0) if key is None else key
         retr_k, retr_v = keys[start:end], values[start:end]
-        index = method.build(cfg, retr_k, jnp.int32(end - start), key)
+        index = build_index(method, cfg, retr_k, retr_v, jnp.int32(end - start), key)
         sel = method.select(cfg, index, q)
         k_rows, v_rows = retr_k[sel.idx], retr_v[sel.idx]
         sel = dataclasses.replace(sel, log_weight=method.correction(cfg, index, q, k_rows, sel))

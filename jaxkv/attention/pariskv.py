@@ -371,13 +371,18 @@ def coarse_candidates(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array) -> 
     return _coarse_candidates(cfg, index, _query(cfg, q)[0])
 
 
-def _retrieve(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array):
-    """(row indices [k], valid [k]) of the final top-k after reranking the candidates."""
+def ranked_candidates(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array):
+    """(candidate rows [C], valid [C], positions [k] in them of the final top-k after the rerank)."""
     q_rot, q_norm = _query(cfg, q)
     candidates = _coarse_candidates(cfg, index, q_rot)
     valid = candidates < index.n
     estimate = jnp.where(valid, _rerank(cfg, index, q_rot, q_norm, candidates), -jnp.inf)
-    best = top_indices(estimate, n_retrieved(cfg, index.signs.shape[0]))
+    return candidates, valid, top_indices(estimate, n_retrieved(cfg, index.signs.shape[0]))
+
+
+def _retrieve(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array):
+    """(row indices [k], valid [k]) of the final top-k after reranking the candidates."""
+    candidates, valid, best = ranked_candidates(cfg, index, q)
     return candidates[best], valid[best]
 
 

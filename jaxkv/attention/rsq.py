@@ -186,14 +186,22 @@ def encode(y: jax.Array, key_norm: jax.Array, m: int, thresholds, centres) -> RS
     return RSQCodes(signs=signs, magnitudes=magnitudes, scale=scale, weight_codes=weight_codes)
 
 
+def reconstruct(codes: RSQCodes, m: int, centres) -> jax.Array:
+    """The keys as the codes describe them, in the rotated space: w_b·v_b per subspace, float32 [C, P].
+
+    ⟨reconstruct(codes), q̃⟩ is RSQ-IP's estimate of ⟨k, q⟩/‖q‖ (q̃ the rotated unit query).
+    """
+    v = dequantise(codes.signs, codes.magnitudes, m, centres)
+    weights = subspace_weights(codes, v.shape[-1] // m)
+    return (v.reshape(*v.shape[:-1], -1, m) * weights[..., None]).reshape(v.shape)
+
+
 def estimate(codes: RSQCodes, q_rot, q_norm, m: int, centres) -> jax.Array:
     """Estimated ⟨k, q⟩ = ‖q‖·Σ_b w_b⟨v_b, q̃_b⟩ for code rows [C, ...].
 
     q_rot [P] the rotated unit query, q_norm its raw norm. Returns float32 [C].
     """
-    v = dequantise(codes.signs, codes.magnitudes, m, centres)
-    per_subspace = jnp.sum((v * q_rot.astype(jnp.float32)).reshape(v.shape[0], -1, m), axis=-1)
-    return q_norm * jnp.sum(subspace_weights(codes, per_subspace.shape[-1]) * per_subspace, axis=-1)
+    return q_norm * jnp.sum(reconstruct(codes, m, centres) * q_rot.astype(jnp.float32), axis=-1)
 
 
 def kernel_layout(codes: RSQCodes, m: int) -> tuple[jax.Array, jax.Array]:

@@ -40,7 +40,7 @@ def method_outputs(method, cfg, keys, values, queries, positions, key):
     if end <= start:
         raise ValueError(f"a context of {n} tokens is too short for sink {s} + local {w} + {q_len} queries")
     retr_k, retr_v = keys[start:end], values[start:end]
-    index = method.build(cfg, retr_k, jnp.int32(end - start), key)
+    index = common.build_index(method, cfg, retr_k, retr_v, jnp.int32(end - start), key)
     exact_k = jnp.concatenate([keys[:s], keys[end:]])
     exact_v = jnp.concatenate([values[:s], values[end:]])
     exact_pos = jnp.concatenate([jnp.arange(s), jnp.arange(end, n)])
