@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     rul.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier result files instead of running")
     rul.add_argument("--out", default="results/ruler")
     rul.set_defaults(run=lambda a: _study("ruler_runner", a))
-    hyb = studies.add_parser("hybrid", help="hybrid (ParisKV head + MagicPIG tail) vs its parts and the oracle")
+    hyb = studies.add_parser("hybrid", help="hybrid (ParisKV head + estimated tail) vs ParisKV, MagicPIG and the oracle")
     hyb.add_argument("--tokens", type=int, default=8000, help="context length")
     hyb.add_argument("--queries", type=int, default=64, help="last positions whose attention is estimated")
     hyb.add_argument("--sweep-layers", default="1,8,15,22,29",

@@ -421,11 +421,11 @@ def _check_hybrid(argv, out_dir, out, err):
     for budget in hybrid_study.BUDGETS:
         methods = [r["method"] for r in final if r["budget"] == budget]
         assert methods.count("hybrid oracle") == 2 and "pariskv" in methods, (budget, methods)
-    assert {"magicpig", "hybrid"} <= {r["method"] for r in final}
+    assert {"magicpig", "hybrid", "hybrid_lsh"} <= {r["method"] for r in final}
     # A swept setting is chosen only if it read at most the budget; the final table runs it on the
     # same layer with the same seed, so it reads the same keys there.
     for r in final:
-        if r["method"] in ("magicpig", "hybrid"):
+        if r["method"] in ("magicpig", "hybrid_lsh"):
             assert r["keys_read_fraction"] <= r["budget"], r
 
 

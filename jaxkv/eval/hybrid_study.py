@@ -1,4 +1,4 @@
-"""The hybrid study: ParisKV head + MagicPIG tail vs its parts and the hybrid oracle.
+"""The hybrid study: ParisKV head + an estimated tail vs both papers and the hybrid oracle.
 
     jaxkv eval hybrid [--tokens 8000] [--queries 64] [--sweep-layers 1,8,15,22,29] [--layers all]
                       [--capture-cache FILE.npz] [--out results/hybrid]
@@ -9,10 +9,12 @@ and at budgets of 2, 4 and 8 % of the context (distinct keys read per KV head,
 the exact sink + local + buffer set included; sink 4 + local 64 for every
 sparse method so budgets compare):
 
-1. sweep, on ``--sweep-layers`` only (CPU time): MagicPIG (K, L) and hybrid
-   (top_k, K, L) settings; each one's best setting per budget is the lowest
-   error among those reading at most the budget. ParisKV is not swept: its
-   best setting is the largest top_k that fits (more exact keys, less error);
+1. sweep, on ``--sweep-layers`` only (CPU time): MagicPIG (K, L) and LSH-tail
+   hybrid (top_k, K, L) settings; each one's best setting per budget is the
+   lowest error among those reading at most the budget. ParisKV and the
+   regression-tail hybrid (``hybrid``, the default; its tail reads no K/V row)
+   take the largest top_k that fits and the candidate ratio (index bytes, not
+   K/V rows) with the lowest error;
 2. final, on ``--layers`` (default every layer): those best settings and the hybrid
    oracle (top half exact, rest sampled from the true weights) with the budget per
    query head (attention_error's convention: the group of G heads reads up to G×)
@@ -41,8 +43,12 @@ BUDGETS = (0.02, 0.04, 0.08)
 SINK, LOCAL = 4, 64
 # Tail LSH settings: larger K samples fewer keys. MagicPIG alone sweeps them all.
 TAIL_SETTINGS = ((14, 100), (13, 150), (13, 100), (12, 150), (12, 100), (11, 150), (11, 100), (10, 150), (10, 120))
-# Head share of the retrieval budget tried for the hybrid (the tail gets the rest).
+# Head share of the retrieval budget tried for the LSH-tail hybrid (the tail gets the rest).
 HEAD_SHARES = (0.25, 0.5, 0.75)
+# ParisKV's candidate share (None: its length-adaptive rule, 25% at 8k). More candidates
+# read more index bytes (never more K/V rows): a better head for both, and a wider tail
+# for the regression hybrid.
+CANDIDATE_RATIOS = (None, 0.5, 1.0)
 MASK_SCORE = -1e6  # extra-coordinate score of a key hidden from the oracle (exp underflows to 0)
 
 
@@ -65,8 +71,8 @@ def _magicpig_config(k_bits, tables):
                                    candidate_capacity=2.0)
 
 
-def _hybrid_config(top_k, k_bits, tables):
-    return hybrid.HybridConfig(top_k=top_k, K=k_bits, L=tables, sink=SINK, local=LOCAL,
+def _hybrid_lsh_config(top_k, k_bits, tables):
+    return hybrid.HybridConfig(top_k=top_k, tail="lsh", K=k_bits, L=tables, sink=SINK, local=LOCAL,
                                capacity=0.25, candidate_capacity=2.0)
 
 
@@ -106,19 +112,19 @@ def _hybrid_oracle_layer(budget, keys, values, queries, positions, key):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_queries"))
-def _hybrid_reads_layer(cfg, keys, queries, n_queries, key):
+def _hybrid_reads_layer(cfg, keys, values, queries, n_queries, key):
     """Mean ReadStats of the hybrid over one layer's KV heads and query positions."""
     n = keys.shape[1]
     start, end = SINK, n - n_queries - LOCAL
 
-    def head(k, qs):
-        index = hybrid.build(cfg, k[start:end], jnp.int32(end - start), key)
+    def head(k, v, qs):
+        index = hybrid.build(cfg, k[start:end], jnp.int32(end - start), key, values=v[start:end])
 
         def one(q):
             return hybrid.read_stats(cfg, index, q, hybrid.select(cfg, index, q))
         return jax.vmap(one, in_axes=1)(qs)
 
-    stats = jax.vmap(head)(keys, queries)
+    stats = jax.vmap(head)(keys, values, queries)
     return jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32)), stats)
 
 
@@ -150,14 +156,18 @@ def _run_oracle(budget_keys, tensors, positions, seed):
 
 
 def _setting(method, cfg) -> str:
-    if method == "pariskv":
-        return f"top_k={cfg.top_k}"
     if method == "magicpig":
         return f"K{cfg.K}L{cfg.L}"
-    return f"top_k={cfg.top_k} K{cfg.K}L{cfg.L}"
+    if method == "hybrid_lsh":
+        return f"top_k={cfg.top_k} K{cfg.K}L{cfg.L}"
+    # pariskv, and hybrid (the regression tail has no setting of its own)
+    ratio = "adaptive" if cfg.candidate_ratio is None else f"{cfg.candidate_ratio:.0%}"
+    return f"top_k={cfg.top_k} candidates {ratio}"
 
 
-MODULES = {"pariskv": pariskv, "magicpig": magicpig, "hybrid": hybrid}
+# "hybrid" is the regression tail (the default), "hybrid_lsh" the MagicPIG-sampled one.
+MODULES = {"pariskv": pariskv, "magicpig": magicpig, "hybrid_lsh": hybrid, "hybrid": hybrid}
+HYBRIDS = ("hybrid", "hybrid_lsh")
 
 
 def sweep(captured, layers, *, seed=0, log=print):
@@ -181,6 +191,9 @@ def sweep(captured, layers, *, seed=0, log=print):
     tried = set()
     for fraction in BUDGETS:
         room = retrieval_keys(fraction, n, n_queries)
+        for ratio in CANDIDATE_RATIOS:
+            run("pariskv", pariskv.ParisKVConfig(top_k=room, sink=SINK, local=LOCAL, candidate_ratio=ratio))
+            run("hybrid", hybrid.HybridConfig(top_k=room, sink=SINK, local=LOCAL, candidate_ratio=ratio))
         for share in HEAD_SHARES:
             # The tail setting whose MagicPIG sample best fills the rest of the room.
             tail_room = room * (1 - share)
@@ -191,17 +204,25 @@ def sweep(captured, layers, *, seed=0, log=print):
             top_k = max(1, math.floor(room - tail_rows[(k_bits, tables)]))
             if (top_k, k_bits, tables) not in tried:
                 tried.add((top_k, k_bits, tables))
-                run("hybrid", _hybrid_config(top_k, k_bits, tables))
+                run("hybrid_lsh", _hybrid_lsh_config(top_k, k_bits, tables))
     return runs
 
 
 def best_per_budget(runs, n, n_queries):
-    """{(method, budget): cfg} the lowest-error setting reading at most the budget."""
+    """{(method, budget): cfg} the lowest-error setting reading at most the budget.
+
+    ParisKV and the regression hybrid read exactly their head (K/V rows), so their
+    top_k is the room the budget leaves; the candidate ratio (index bytes only) is
+    the swept one with the lowest error.
+    """
     best = {}
     for fraction in BUDGETS:
-        best[("pariskv", fraction)] = pariskv.ParisKVConfig(
-            top_k=retrieval_keys(fraction, n, n_queries), sink=SINK, local=LOCAL)
-        for method in ("magicpig", "hybrid"):
+        room = retrieval_keys(fraction, n, n_queries)
+        for method in ("pariskv", "hybrid"):
+            fits = [r for r in runs if r[0] == method and r[1].top_k == room]
+            if fits:
+                best[(method, fraction)] = min(fits, key=lambda r: r[3])[1]
+        for method in ("magicpig", "hybrid_lsh"):
             fits = [r for r in runs if r[0] == method and r[2] <= fraction]
             if fits:
                 best[(method, fraction)] = min(fits, key=lambda r: r[3])[1]
@@ -229,27 +250,43 @@ def final(captured, best, layers, *, seed=0, log=print):
             if cfg is None:
                 log(f"final {method} {fraction:.0%}: no swept setting fits the budget")
                 continue
-            t0 = time.time()
-            err, sem, frac, got = _run_method(MODULES[method], cfg, tensors, positions, seed)
-            results.append(Result(method, _setting(method, cfg), fraction, label, frac, err, sem,
-                                  {"retrieval_rows_read": got}))
-            log(f"final {method:>13} {fraction:.0%} {_setting(method, cfg):>22}: read {frac:.2%}, "
-                f"error {err:.4f}  [{time.time() - t0:.0f} s]")
+            for cfg in _with_default_candidates(cfg):
+                t0 = time.time()
+                err, sem, frac, got = _run_method(MODULES[method], cfg, tensors, positions, seed)
+                results.append(Result(method, _setting(method, cfg), fraction, label, frac, err, sem,
+                                      {"retrieval_rows_read": got}))
+                log(f"final {method:>13} {fraction:.0%} {_setting(method, cfg):>22}: read {frac:.2%}, "
+                    f"error {err:.4f}  [{time.time() - t0:.0f} s]")
     return results
 
 
+def _with_default_candidates(cfg) -> list:
+    """[cfg], and before it the same setting with ParisKV's default candidate ratio when cfg
+    chose another: the cheaper index read is reported beside the best one."""
+    if getattr(cfg, "candidate_ratio", None) is None or getattr(cfg, "tail", "none") == "lsh":
+        return [cfg]
+    return [dataclasses.replace(cfg, candidate_ratio=None), cfg]
+
+
 def hybrid_reads(captured, best, layers, seed=0):
-    """{budget: mean ReadStats as a dict} of the chosen hybrid settings on ``layers``."""
+    """{(label, budget): mean ReadStats as a dict} of the chosen ParisKV and hybrid settings on ``layers``.
+
+    ParisKV is measured as the hybrid without a tail: the same selection and index.
+    """
     n_queries = captured.queries.shape[3]
     out = {}
-    for fraction in BUDGETS:
-        cfg = best.get(("hybrid", fraction))
+    for label, fraction in ((h, f) for h in ("pariskv", *HYBRIDS) for f in BUDGETS):
+        cfg = best.get((label, fraction))
         if cfg is None:
             continue
-        per_layer = [_hybrid_reads_layer(cfg, jnp.asarray(captured.keys[l]), jnp.asarray(captured.queries[l]),
+        if label == "pariskv":
+            cfg = hybrid.HybridConfig(top_k=cfg.top_k, tail="none", sink=SINK, local=LOCAL,
+                                      candidate_ratio=cfg.candidate_ratio)
+        per_layer = [_hybrid_reads_layer(cfg, jnp.asarray(captured.keys[l]), jnp.asarray(captured.values[l]),
+                                         jnp.asarray(captured.queries[l]),
                                          n_queries, jax.random.fold_in(jax.random.key(seed), l))
                      for l in layers]
-        out[fraction] = {f.name: float(np.mean([getattr(s, f.name) for s in per_layer]))
+        out[(label, fraction)] = {f.name: float(np.mean([getattr(s, f.name) for s in per_layer]))
                          for f in dataclasses.fields(hybrid.ReadStats)}
     return out
 
@@ -261,10 +298,10 @@ def markdown(results, reads) -> str:
         lines.append(f"| {r.budget:.0%} | {r.method} | {r.setting} | {r.keys_read_fraction:.2%} | "
                      f"{r.error:.4f} ± {r.error_sem:.4f} |")
     if reads:
-        lines += ["", "| budget | head rows | tail rows | head index bytes | tail index bytes |",
-                  "|---|---|---|---|---|"]
-        for fraction, s in reads.items():
-            lines.append(f"| {fraction:.0%} | {s['head_rows']:.1f} | {s['tail_rows']:.1f} | "
+        lines += ["", "| method | budget | head rows | tail rows | head index bytes | tail index bytes |",
+                  "|---|---|---|---|---|---|"]
+        for (label, fraction), s in reads.items():
+            lines.append(f"| {label} | {fraction:.0%} | {s['head_rows']:.1f} | {s['tail_rows']:.1f} | "
                          f"{s['head_index_bytes']:.0f} | {s['tail_index_bytes']:.0f} |")
     return "\n".join(lines)
 
@@ -276,13 +313,17 @@ def plot(results, runs, path: Path, title: str):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, marker in (("hybrid oracle", "o"), ("pariskv", "s"), ("magicpig", "^"), ("hybrid", "D")):
-        pts = sorted((r.keys_read_fraction * 100, r.error) for r in results if r.method == method)
-        if pts:
-            ax.plot(*zip(*pts), marker=marker, label=f"{method} (final layers, best per budget)")
-    swept = [(r[2] * 100, r[3]) for r in runs if r[0] == "hybrid"]
+    markers = {"hybrid oracle": "o", "pariskv": "s", "magicpig": "^", "hybrid_lsh": "v", "hybrid": "D"}
+    curves = {}  # one curve per method and kind of setting, so budgets join like with like
+    for r in results:
+        kind = next((k for k in ("per query head", "per group", "candidates adaptive") if k in r.setting), "")
+        curves.setdefault((r.method, kind), []).append((r.keys_read_fraction * 100, r.error))
+    for (method, kind), pts in curves.items():
+        label = f"{method}, {kind}" if kind else f"{method}, best setting"
+        ax.plot(*zip(*sorted(pts)), marker=markers[method], ls="--" if kind else "-", label=label)
+    swept = [(r[2] * 100, r[3]) for r in runs if r[0] == "hybrid_lsh"]
     if swept:
-        ax.scatter(*zip(*swept), marker="x", color="grey", label="hybrid settings swept (sweep layers)")
+        ax.scatter(*zip(*swept), marker="x", color="grey", label="hybrid_lsh settings swept (sweep layers)")
     for fraction in BUDGETS:
         ax.axvline(fraction * 100, color="k", lw=0.5, ls=":")
     ax.set_xscale("log")
@@ -331,7 +372,7 @@ def main(args) -> int:
                     f"--sweep-layers {args.sweep_layers} --layers {args.layers} --seed {args.seed}"),
         "context_tokens": n, "sweep_layers": sweep_layers, "final_layers": final_layers,
         "final": [dataclasses.asdict(r) for r in results],
-        "hybrid_reads_on_sweep_layers": {f"{k:.0%}": v for k, v in reads.items()},
+        "hybrid_reads_on_sweep_layers": {f"{label} {f:.0%}": v for (label, f), v in reads.items()},
         "seconds": time.time() - t0}, indent=2))
     plot(results, runs, out / "error_vs_budget.png", f"SmolLM2-135M, {n}-token Wikipedia context")
     print(table)
