@@ -137,10 +137,10 @@ def test_model_answerer_prefills_once_and_decodes_each_method_from_it():
 
 def test_default_methods_disable_dense_fallback_and_fit_ten_percent_at_8k():
     methods = {m.label: m for m in rr.default_methods()}
-    assert list(methods) == ["dense", "magicpig_K10L150", "magicpig_K10L75", "pariskv", "topk"]
+    assert list(methods) == ["dense", "magicpig_K10L150", "magicpig_K10L75", "pariskv", "hybrid", "topk"]
     for spec in list(methods.values())[1:]:
         assert spec.cache_config.dense_threshold == 0
-    for label in ("pariskv", "topk"):
+    for label in ("pariskv", "hybrid", "topk"):  # the hybrid's regression tail reads no K/V row
         c = methods[label].cache_config
         # worst case: sink + full local window + full buffer + top_k exact rows
         assert (c.sink + c.local + c.buffer + methods[label].method_config.top_k) / 8192 <= 0.10
@@ -153,6 +153,8 @@ def test_index_bytes_per_key_match_design():
     assert rr.index_bytes_per_key(methods["magicpig_K10L75"], 64) == 300
     # ParisKV, d=64, m=8: 8 subspaces -> 8 B bucket ids + 32 B of 4-bit codes + 8 f32 weights.
     assert rr.index_bytes_per_key(methods["pariskv"], 64) == 8 + 24 + 2 + 4
+    # The hybrid's regression tail keeps no per-key bytes beyond ParisKV's codes.
+    assert rr.index_bytes_per_key(methods["hybrid"], 64) == rr.index_bytes_per_key(methods["pariskv"], 64)
     assert rr.index_bytes_per_key(methods["topk"], 64) == 0
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxkv import cache as kvcache
-from jaxkv.attention import magicpig, pariskv, topk
+from jaxkv.attention import hybrid, magicpig, pariskv, topk
 from jaxkv.eval import ruler
 
 DENSE = "dense"
@@ -55,11 +55,12 @@ class MethodSpec:
 
 
 def default_methods(top_k: int = 512, sink: int = 4, local: int = 64, buffer: int = 64) -> tuple[MethodSpec, ...]:
-    """Dense, MagicPIG K10L150 and K10L75, ParisKV and the TopK oracle over the same exact regions.
+    """Dense, MagicPIG K10L150 and K10L75, ParisKV, the hybrid and the TopK oracle over the same exact regions.
 
     top_k=512 with sink 4, local 64, buffer 64 reads (4 + 64..128 + 512)/8192 ≈ 8% of
-    an 8k context for ParisKV and TopK; MagicPIG reads what its hash tables give,
-    plus its official dense layers 0 and 16 (2 of SmolLM2's 30 layers).
+    an 8k context for ParisKV, the hybrid (its regression tail reads no K/V row) and
+    TopK; MagicPIG reads what its hash tables give, plus its official dense layers
+    0 and 16 (2 of SmolLM2's 30 layers).
     """
     regions = kvcache.CacheConfig(sink=sink, local=local, buffer=buffer, dense_threshold=0)
     return (
@@ -69,6 +70,8 @@ def default_methods(top_k: int = 512, sink: int = 4, local: int = 64, buffer: in
         MethodSpec("magicpig_K10L75", "magicpig", magicpig.MagicPIGConfig(K=10, L=75, sink=sink, local=local),
                    regions),
         MethodSpec("pariskv", "pariskv", pariskv.ParisKVConfig(top_k=top_k, sink=sink, local=local, buffer=buffer),
+                   regions),
+        MethodSpec("hybrid", "hybrid", hybrid.HybridConfig(top_k=top_k, sink=sink, local=local, buffer=buffer),
                    regions),
         MethodSpec("topk", "topk", topk.TopKConfig(top_k=top_k, sink=sink, local=local, buffer=buffer), regions),
     )
@@ -80,6 +83,8 @@ def index_bytes_per_key(spec: MethodSpec, head_dim: int) -> int:
         return magicpig.index_bytes_per_key(spec.method_config)
     if spec.method == "pariskv":
         return pariskv.index_bytes_per_key(spec.method_config, head_dim)
+    if spec.method == "hybrid":
+        return hybrid.index_bytes_per_key(spec.method_config, head_dim)
     return 0
 
 
