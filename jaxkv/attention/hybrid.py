@@ -282,8 +282,7 @@ def _regression_tail(cfg: HybridConfig, index: HybridIndex, q, candidates, in_ta
     m = jnp.max(s, axis=-1, initial=common.MASKED_SCORE)
     p = jnp.where(in_tail[None, :], jnp.exp(s - m[:, None]), 0.0)
     l = jnp.sum(p, axis=-1)
-    # Σ_i p_i [k̃_i, 1] · A = Σ_i p_i v̂_i
-    weighted = jnp.concatenate([jnp.matmul(p, recon, precision=hi), l[:, None]], axis=-1)
+    weighted = jnp.matmul(p, _features(recon), precision=hi)  # Σ_i p_i [k̃_i, 1]; · A = Σ_i p_i v̂_i
     mean = jnp.matmul(weighted, index.values.weights, precision=hi) / jnp.where(l > 0, l, 1.0)[:, None]
     # The true tail mean lies in the values' bounding box: clipping to it can only
     # bring each coordinate closer, and keeps the output a convex-range estimate.

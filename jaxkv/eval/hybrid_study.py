@@ -263,7 +263,7 @@ def final(captured, best, layers, *, seed=0, log=print):
 def _with_default_candidates(cfg) -> list:
     """[cfg], and before it the same setting with ParisKV's default candidate ratio when cfg
     chose another: the cheaper index read is reported beside the best one."""
-    if getattr(cfg, "candidate_ratio", None) is None or getattr(cfg, "tail", "none") == "lsh":
+    if getattr(cfg, "candidate_ratio", None) is None:  # MagicPIG, the LSH hybrid, or already the default
         return [cfg]
     return [dataclasses.replace(cfg, candidate_ratio=None), cfg]
 
