@@ -14,6 +14,7 @@ from models.decoder import (
     forward_hidden,
     init_cache,
     lm_head,
+    prefix_causal_attention,
     rms_norm,
 )
 from models.errors import ModelError, ModelNotFoundError
@@ -26,5 +27,5 @@ from models.tokenizer import Tokenizer
 __all__ = [
     "KVCache", "cached_attention", "LayerParams", "ModelConfig", "ModelError", "ModelNotFoundError", "Params", "Tokenizer",
     "default_model_path", "dense_causal_attention", "forward", "forward_hidden", "init_cache", "init_params",
-    "lm_head", "load", "load_gguf", "load_hf", "param_shapes", "restore", "rms_norm", "save",
+    "lm_head", "load", "load_gguf", "load_hf", "param_shapes", "prefix_causal_attention", "restore", "rms_norm", "save",
 ]

@@ -68,36 +68,88 @@ def dense_causal_attention(q, k_all, v_all, q_positions, kv_positions, *, query_
     (``lax.map``), so a long prefill holds [Hq, query_block, S] scores at once,
     not [Hq, T, S].
     """
-    b, t, hq, hd = q.shape
-    hkv = k_all.shape[1]
-    if hq % hkv or k_all.shape != v_all.shape or k_all.shape[0] != b or k_all.shape[3] != hd:
-        raise ModelError(f"dense_causal_attention: q {q.shape} does not fit k {k_all.shape} / v {v_all.shape} "
+    _check_attention_shapes("dense_causal_attention", q, k_all, v_all)
+    kv_positions = jnp.broadcast_to(kv_positions, (q.shape[0], k_all.shape[2]))
+
+    def attend(q, q_positions):
+        _, sums, acc = jax.vmap(_softmax_partial)(q, k_all, v_all, q_positions, kv_positions)
+        return jax.vmap(_normalise)(q, sums, acc)
+
+    return _by_query_block(attend, q, q_positions, query_block)
+
+
+def prefix_causal_attention(q, k_all, v_all, q_positions, *, query_block: int = 512,
+                            key_block: int = 512) -> jax.Array:
+    """:func:`dense_causal_attention` over a cache whose key at index i has position i.
+
+    Keys go ``key_block`` at a time (an online softmax in a ``fori_loop``) and the
+    loop stops at the block holding the last query's position, so a prefill chunk
+    reads the prefix it can see, not the whole cache: chunked prefill costs half
+    the attention work of attending to every slot, and a cache sized beyond the
+    prompt costs nothing until it fills.
+    """
+    _check_attention_shapes("prefix_causal_attention", q, k_all, v_all)
+    b, s = q.shape[0], k_all.shape[2]
+    block = min(key_block, s)
+    n_blocks = -(-s // block)
+    never = jnp.iinfo(jnp.int32).max  # a position no query reaches
+
+    def attend(q, q_positions):
+        def add_block(j, carry):
+            m, sums, acc = carry
+            # The last block is shifted back to end at s; its keys before j * block were counted already.
+            start = jnp.minimum(j * block, s - block)
+            index = start + jnp.arange(block, dtype=jnp.int32)
+            kv_positions = jnp.broadcast_to(jnp.where(index >= j * block, index, never), (b, block))
+            keys, values = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=2) for x in (k_all, v_all))
+            m_block, sums_block, acc_block = jax.vmap(_softmax_partial)(q, keys, values, q_positions, kv_positions)
+            m_new = jnp.maximum(m, m_block)
+            old, new = jnp.exp(m - m_new), jnp.exp(m_block - m_new)
+            return m_new, sums * old + sums_block * new, acc * old[..., None] + acc_block * new[..., None]
+
+        hkv, rows, hd = k_all.shape[1], q.shape[1] * q.shape[2] // k_all.shape[1], q.shape[3]
+        empty = (jnp.full((b, hkv, rows), _SCORE_FLOOR), jnp.zeros((b, hkv, rows)), jnp.zeros((b, hkv, rows, hd)))
+        last = jnp.clip(jnp.max(q_positions) // block + 1, 1, n_blocks)
+        _, sums, acc = jax.lax.fori_loop(0, last, add_block, empty)
+        return jax.vmap(_normalise)(q, sums, acc)
+
+    return _by_query_block(attend, q, q_positions, query_block)
+
+
+# A finite floor for masked scores, not -inf: a row that sees nothing stays finite instead of NaN.
+_SCORE_FLOOR = float(jnp.finfo(jnp.float32).min)
+
+
+def _check_attention_shapes(name, q, k_all, v_all) -> None:
+    b, _, hq, hd = q.shape
+    if hq % k_all.shape[1] or k_all.shape != v_all.shape or k_all.shape[0] != b or k_all.shape[3] != hd:
+        raise ModelError(f"{name}: q {q.shape} does not fit k {k_all.shape} / v {v_all.shape} "
                          "(expected head-major [B, Hkv, S, hd])")
-    kv_positions = jnp.broadcast_to(kv_positions, (b, k_all.shape[2]))
+
+
+def _by_query_block(attend, q, q_positions, query_block: int):
+    """attend(q [B, T', Hq, hd], q_positions [B, T']) over at most query_block queries at a time."""
+    b, t, hq, hd = q.shape
     if t <= query_block:
-        return _attend_query_block(q, k_all, v_all, q_positions, kv_positions)
+        return attend(q, q_positions)
     n = -(-t // query_block)
     pad = n * query_block - t
     # Padding queries sit at position -1: they see no key, and are cut off below.
     q_blocks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, query_block, hq, hd)
     p_blocks = jnp.pad(q_positions, ((0, 0), (0, pad)), constant_values=-1).reshape(b, n, query_block)
-    out = jax.lax.map(lambda qp: _attend_query_block(qp[0], k_all, v_all, qp[1], kv_positions),
-                      (q_blocks.swapaxes(0, 1), p_blocks.swapaxes(0, 1)))
+    out = jax.lax.map(lambda qp: attend(*qp), (q_blocks.swapaxes(0, 1), p_blocks.swapaxes(0, 1)))
     return out.swapaxes(0, 1).reshape(b, n * query_block, hq, hd)[:, :t]
 
 
-def _attend_query_block(q, k_all, v_all, q_positions, kv_positions):
-    return jax.vmap(_attend_one_sequence)(q, k_all, v_all, q_positions, kv_positions)
+def _softmax_partial(q, k, v, q_positions, kv_positions):
+    """One sequence's softmax over some keys, unnormalised: (row max, row sum) [Hkv, T·G] and Σ p·v [Hkv, T·G, hd].
 
-
-def _attend_one_sequence(q, k, v, q_positions, kv_positions):
-    """q [T, Hq, hd]; k, v [Hkv, S, hd]; q_positions [T]; kv_positions [S] → [T, Hq, hd].
-
-    Scores are laid out [Hkv, S, T·G], the keys' axis next to the head's as in the
-    cache, and the softmax is normalised after the value contraction: on XLA CPU
-    this reads K and V where they lie. Measured against [Hkv, G, T, S] scores with
-    jax.nn.softmax: 2.3 → 1.2 ms at 8k keys and T = 1, 52 → 22 ms at 64k, 508 →
-    286 ms for a 512-query prefill block over 8k keys (SmolLM2 heads).
+    q [T, Hq, hd]; k, v [Hkv, S, hd]; q_positions [T]; kv_positions [S]. Scores
+    are laid out [Hkv, S, T·G], the keys' axis next to the head's as in the cache,
+    and normalised after the value contraction: on XLA CPU this reads K and V where
+    they lie. Measured against [Hkv, G, T, S] scores with jax.nn.softmax: 2.3 → 1.2
+    ms at 8k keys and T = 1, 52 → 22 ms at 64k, 508 → 286 ms for a 512-query
+    prefill block over 8k keys (SmolLM2 heads).
     """
     t, hq, hd = q.shape
     hkv = k.shape[0]
@@ -105,12 +157,19 @@ def _attend_one_sequence(q, k, v, q_positions, kv_positions):
     qg = q.reshape(t, hkv, g, hd).transpose(1, 0, 2, 3).reshape(hkv, t * g, hd)
     s = jnp.einsum("hsd,hqd->hsq", k, qg, preferred_element_type=jnp.float32) / math.sqrt(hd)
     visible = kv_positions[:, None] <= jnp.repeat(q_positions, g)[None, :]
-    # A finite floor, not -inf: a row that sees nothing stays finite instead of NaN.
-    s = jnp.where(visible[None], s, jnp.finfo(jnp.float32).min)
-    p = jnp.exp(s - jnp.max(s, axis=1, keepdims=True))
-    out = jnp.einsum("hsq,hsd->hqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out / jnp.sum(p, axis=1)[..., None]
-    return out.reshape(hkv, t, g, hd).transpose(1, 0, 2, 3).reshape(t, hq, hd).astype(q.dtype)
+    s = jnp.where(visible[None], s, _SCORE_FLOOR)
+    m = jnp.max(s, axis=1)
+    p = jnp.exp(s - m[:, None])
+    acc = jnp.einsum("hsq,hsd->hqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m, jnp.sum(p, axis=1), acc
+
+
+def _normalise(q, sums, acc):
+    """[Hkv, T·G] sums and [Hkv, T·G, hd] Σ p·v of one sequence → its output [T, Hq, hd] in q's dtype."""
+    t, hq, hd = q.shape
+    hkv = acc.shape[0]
+    out = acc / sums[..., None]
+    return out.reshape(hkv, t, hq // hkv, hd).transpose(1, 0, 2, 3).reshape(t, hq, hd).astype(q.dtype)
 
 
 def forward_hidden(params: Params, config: ModelConfig, tokens, positions, states,
@@ -191,7 +250,7 @@ def _self_attention(q, k, v, positions, states, layer):
 
 
 def cached_attention(q, k, v, positions, cache: KVCache, layer=None):
-    """Write this call's k, v at their positions, then attend to the whole cache.
+    """Write this call's k, v at their positions, then attend to the cache (:func:`prefix_causal_attention`).
 
     ``cache`` is one layer's (leaves [B, Hkv, max_len, hd]; an :data:`AttentionFn`),
     or every layer's with ``layer`` the one to use (a :data:`StackedAttentionFn`).
@@ -205,8 +264,7 @@ def cached_attention(q, k, v, positions, cache: KVCache, layer=None):
     layer_k, layer_v = (cache.k, cache.v) if layer is None else (
         jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False),
         jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False))
-    kv_positions = jnp.arange(layer_k.shape[2], dtype=jnp.int32)
-    return dense_causal_attention(q, layer_k, layer_v, positions, kv_positions), cache
+    return prefix_causal_attention(q, layer_k, layer_v, positions), cache
 
 
 def _layer(layer: LayerParams, config: ModelConfig, inv_freq, x, positions, state, attention):

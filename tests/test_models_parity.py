@@ -209,26 +209,55 @@ def test_bfloat16_params_compute_in_bfloat16(build_reference):
     assert np.sqrt(np.mean(error**2)) < 0.06 and np.abs(error).max() < 0.4
 
 
-@pytest.mark.parametrize("query_block", [512, 8])
-def test_dense_causal_attention_matches_numpy_reference(query_block):
-    """GQA head mapping (query head h -> KV head h // G), causal mask by position, query blocking.
-
-    Reference in float64 numpy with explicit repeat_kv; 1e-5 covers float32 rounding of O(1) outputs.
-    """
-    rng = np.random.default_rng(0)
-    b, t, s, hq, hkv, hd = 2, 37, 45, 6, 2, 8
-    q, k, v = (rng.standard_normal(shape).astype(np.float32)
-               for shape in ((b, t, hq, hd), (b, s, hkv, hd), (b, s, hkv, hd)))
-    q_pos = np.stack([np.arange(t) + 3, np.arange(t) + 8]).astype(np.int32)  # rows at different offsets
-    head_major = lambda x: jnp.asarray(x.swapaxes(1, 2))  # noqa: E731  (the cache's layout)
-    out = models.dense_causal_attention(jnp.asarray(q), head_major(k), head_major(v), jnp.asarray(q_pos),
-                                        jnp.arange(s, dtype=jnp.int32), query_block=query_block)
+def _reference_attention(q, k, v, q_pos):
+    """float64 numpy with explicit repeat_kv; keys at positions 0..S-1; k, v position-major [B, S, Hkv, hd]."""
+    hq, hkv, hd = q.shape[2], k.shape[2], q.shape[3]
     k_rep, v_rep = np.repeat(k, hq // hkv, axis=2), np.repeat(v, hq // hkv, axis=2)
     scores = np.einsum("bthd,bshd->bhts", q.astype(np.float64), k_rep) / np.sqrt(hd)
-    scores = np.where(np.arange(s)[None, None, None, :] <= q_pos[:, None, :, None], scores, -np.inf)
+    scores = np.where(np.arange(k.shape[1])[None, None, None, :] <= q_pos[:, None, :, None], scores, -np.inf)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
-    expected = np.einsum("bhts,bshd->bthd", weights, v_rep)
+    return np.einsum("bhts,bshd->bthd", weights, v_rep)
+
+
+def _attention_inputs(t, s, offsets, seed=0):
+    rng = np.random.default_rng(seed)
+    b, hq, hkv, hd = len(offsets), 6, 2, 8
+    q, k, v = (rng.standard_normal(shape).astype(np.float32)
+               for shape in ((b, t, hq, hd), (b, s, hkv, hd), (b, s, hkv, hd)))
+    q_pos = np.stack([np.arange(t) + o for o in offsets]).astype(np.int32)  # rows at different offsets
+    return q, k, v, q_pos
+
+
+def _head_major(x):
+    return jnp.asarray(x.swapaxes(1, 2))  # the cache's layout
+
+
+# (query_block, key_block): one block each; queries blocked; keys blocked with a
+# shifted last block (45 = 5·8 + 5); key_block beyond the cache.
+@pytest.mark.parametrize("query_block,key_block", [(512, 1024), (8, 1024), (512, 8), (8, 8), (512, 45)])
+def test_causal_attention_matches_numpy_reference(query_block, key_block):
+    """GQA head mapping (query head h -> KV head h // G), causal mask by position, query and key blocking.
+
+    1e-5 covers float32 rounding of O(1) outputs.
+    """
+    q, k, v, q_pos = _attention_inputs(t=37, s=45, offsets=(3, 8))
+    expected = _reference_attention(q, k, v, q_pos)
+    dense = models.dense_causal_attention(jnp.asarray(q), _head_major(k), _head_major(v), jnp.asarray(q_pos),
+                                          jnp.arange(45, dtype=jnp.int32), query_block=query_block)
+    prefix = models.prefix_causal_attention(jnp.asarray(q), _head_major(k), _head_major(v), jnp.asarray(q_pos),
+                                            query_block=query_block, key_block=key_block)
+    np.testing.assert_allclose(np.asarray(dense), expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(prefix), expected, rtol=0, atol=1e-5)
+
+
+def test_prefix_causal_attention_reads_no_block_past_the_last_query():
+    """Keys in blocks after the one holding the last query position are never read: NaN there changes nothing."""
+    q, k, v, q_pos = _attention_inputs(t=9, s=45, offsets=(0, 12))  # last position 20: blocks of 8 → keys 0..23
+    expected = _reference_attention(q, k[:, :24], v[:, :24], q_pos)
+    k[:, 24:], v[:, 24:] = np.nan, np.nan
+    out = models.prefix_causal_attention(jnp.asarray(q), _head_major(k), _head_major(v), jnp.asarray(q_pos),
+                                         key_block=8)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=0, atol=1e-5)
 
 
