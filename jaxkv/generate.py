@@ -233,7 +233,9 @@ def generate(
     Stops per row on any of eos_ids (default: the model's EOS tokens).
     Positions beyond config.max_position_embeddings raise unless allow_beyond_context.
     prefilled: the result of prefill_prompts() for these prompts (then `prompts`
-    may be None); it is left intact, so several methods can share one prefill.
+    may be None); it is left intact, so several methods can share one prefill. The
+    caches are sized to its capacity, so calls on prefills of one capacity (and one
+    batch size and max_new_tokens) reuse one compiled decode loop.
     mesh: a ("data", "model") mesh (jaxkv.sharding.make_mesh) to decode on, the
     batch split over "data" and the KV heads over "model"; see docs/sharding.md.
     """
@@ -258,16 +260,20 @@ def generate(
     if max_new_tokens == 0:
         return Generation([[] for _ in rows], lengths, 0.0, 0.0, 0)
 
-    backend = kvcache.make_backend(config, method, method_config, cache_config, max(lengths),
+    needed = max(lengths) + max_new_tokens
+    if prefilled is not None and prefilled.capacity < needed:
+        raise ValueError(f"prefilled cache holds {prefilled.capacity} positions; this request needs "
+                         f"{needed} (prompt + max_new_tokens)")
+    # With a shared prefill the caches take its capacity, not this request's need:
+    # batches prefilled to one capacity then share one compiled decode loop.
+    positions = needed if prefilled is None else prefilled.capacity
+    backend = kvcache.make_backend(config, method, method_config, cache_config, positions - max_new_tokens,
                                    max_new_tokens)
     t0 = time.perf_counter()
     if prefilled is None:
         prefilled = prefill_prompts(params, config, rows, capacity=backend.staging_capacity,
                                     prefill_chunk=prefill_chunk, dtype=dtype, mesh=mesh)
         staging = prefilled.staging  # ours alone: the decode loop may consume it
-    elif prefilled.capacity < backend.staging_capacity:
-        raise ValueError(f"prefilled cache holds {prefilled.capacity} positions; this request needs "
-                         f"{backend.staging_capacity} (prompt + max_new_tokens)")
     else:
         staging = jax.tree.map(jnp.copy, prefilled.staging)  # keep the caller's prefill intact
     lengths_j = sharding.shard_rows(jnp.asarray(lengths, jnp.int32), mesh)

@@ -111,3 +111,20 @@ def test_one_prefill_shared_by_several_methods(params):
     assert 0 < sparse.keys_read_fraction[0] < 0.5
     with pytest.raises(ValueError, match="prefilled cache holds 64 positions"):
         jaxkv.generate(params, CONFIG, None, max_new_tokens=40, prefilled=shared)
+
+
+def test_prefills_of_one_capacity_share_one_compiled_decode_loop(params):
+    from jaxkv.generate import _decode_loop
+
+    method = dict(method="topk", method_config=topk.TopKConfig(top_k=8, sink=2, local=4, buffer=3),
+                  cache_config=CacheConfig(dense_threshold=0))
+    batches = [_prompts([30, 12], seed=11), _prompts([25, 41], seed=12)]  # needs 40 and 51 positions
+    reused, compiled = [], []
+    for prompts in batches:
+        shared = jaxkv.prefill_prompts(params, CONFIG, prompts, capacity=64, prefill_chunk=16)
+        reused.append(jaxkv.generate(params, CONFIG, None, max_new_tokens=10, eos_ids=(), prefilled=shared,
+                                     **method).tokens)
+        compiled.append(_decode_loop._cache_size())
+    assert compiled[1] == compiled[0]  # the second batch ran the first one's program
+    for prompts, tokens in zip(batches, reused):  # and the larger caches change no token
+        assert tokens == jaxkv.generate(params, CONFIG, prompts, max_new_tokens=10, eos_ids=(), **method).tokens

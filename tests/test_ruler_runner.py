@@ -123,7 +123,7 @@ def test_model_answerer_prefills_once_and_decodes_each_method_from_it():
     batch = [example(seed=1), example("variable_tracking", seed=2, answers=("ABCDE",), max_new_tokens=30)]
     answers = answerer(batch, methods)
     ids = [FakeTokenizer().encode(e.prompt) for e in batch]
-    assert prefills == [(ids, max(map(len, ids)) + 40)]
+    assert prefills == [(ids, 2048)]  # the examples' nominal length: one cache size for the whole length
     assert [g["method"] for g in generations] == ["dense", "magicpig"]
     assert all(g["prefilled"] is prefilled and g["prompts"] is None and g["max_new_tokens"] == 40
                for g in generations)
@@ -133,6 +133,9 @@ def test_model_answerer_prefills_once_and_decodes_each_method_from_it():
     assert [len(a.text.split()) for a in answers["dense"]] == [40, 30]
     assert [a.keys_read_fraction for a in answers["dense"]] == [1.0, 1.0]
     assert [a.keys_read_fraction for a in answers["magicpig_K10L150"]] == [0.05, 0.07]
+    # A nominal length shorter than prompt + answer (not what ruler makes) still gets room.
+    answerer([example(length=8, seed=1)], methods[:1])
+    assert prefills[-1][1] == 4 + 40
 
 
 def test_default_methods_disable_dense_fallback_and_fit_ten_percent_at_8k():

@@ -135,7 +135,10 @@ def model_answerer(params, config, tokenizer, *, cap: int = DEFAULT_ANSWER_CAP, 
         budgets = [answer_budget(e, cap) for e in examples]
         max_new = max(budgets)
         t0 = time.time()
-        prefilled = prefill_fn(params, config, ids, capacity=max(map(len, ids)) + max_new)
+        # An example's nominal length bounds its prompt + answer, so every batch of one
+        # length gets one cache size and reuses the methods' compiled decode loops.
+        capacity = max(max(map(len, ids)) + max_new, max(e.length for e in examples))
+        prefilled = prefill_fn(params, config, ids, capacity=capacity)
         log(f"prefill {sum(map(len, ids))} tokens: {time.time() - t0:.0f} s")
         answers = {}
         for spec in methods:
