@@ -40,6 +40,9 @@ MAX_SENTENCE_TOKENS = 64
 DEPTH_GRID = tuple(float(d) for d in np.linspace(0.0, 1.0, 40))
 # RULER's tokens_to_generate per task family.
 MAX_NEW_TOKENS = types.MappingProxyType({"niah": 128, "variable_tracking": 30, "common_words": 120})
+# RULER's common-words frequencies for contexts shorter than 4k tokens.
+SHORT_COMMON_WORDS_BELOW = 4096
+SHORT_COMMON_WORDS = types.MappingProxyType({"common_freq": 6, "uncommon_freq": 1})
 # Consecutive sentences that may fail to fit the remaining budget before the
 # haystack is declared full (the gap left is then only a few tokens).
 _FILL_LOOKAHEAD = 64
@@ -111,7 +114,9 @@ def make_example(task: str, tokenizer, length: int, seed: int, **opts) -> Exampl
     drawn from ``DEPTH_GRID``); niah_multikey ``num_keys=4``; niah_multivalue
     ``num_values=4``; niah_multiquery ``num_queries=4``; variable_tracking
     ``num_chains=1, num_hops=4``; common_words ``num_common=10,
-    common_freq=30, uncommon_freq=3``.
+    common_freq=30, uncommon_freq=3``, and below 4,096 tokens ``common_freq=6,
+    uncommon_freq=1`` (RULER's rule for short contexts: 300 numbered items
+    alone would fill a 2k prompt).
     """
     if task not in _BUILDERS:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
@@ -121,6 +126,8 @@ def make_example(task: str, tokenizer, length: int, seed: int, **opts) -> Exampl
         raise ValueError(f"task {task!r} takes no option(s) {unknown}; its options are {sorted(allowed)}")
     if not isinstance(length, numbers.Integral) or length <= 0:
         raise ValueError(f"length must be a positive int, got {length!r}")
+    if task == "common_words" and length < SHORT_COMMON_WORDS_BELOW:
+        opts = {**SHORT_COMMON_WORDS, **opts}
     max_new_tokens = MAX_NEW_TOKENS["niah" if task.startswith("niah") else task]
     ctx = _Context(tokenizer, int(length) - max_new_tokens, np.random.default_rng(seed))
     prompt, answers, meta = builder(ctx, **opts)
@@ -192,14 +199,15 @@ def _haystack_prompt(
     """
     overhead = ctx.count(ctx.render(frame, " ".join(needles)))
     sentences, counts = _fill_sentences(ctx, ctx.target - overhead, secrets)
-    # Boundary effects of joining pieces can add a token or two: drop sentences until it fits.
+    # Boundary effects of joining pieces can add a token or two: drop the shortest
+    # sentence until it fits (the last one may be long enough to cost 2% of the target).
     while sentences:
         slots, achieved = _nearest_boundaries(counts, depths)
         prompt = ctx.render(frame, " ".join(_interleave(sentences, needles, slots)))
         if ctx.count(prompt) <= ctx.target:
             return prompt, {"needle_depths": achieved, "haystack_tokens": sum(counts), "needles": tuple(needles)}
-        sentences.pop()
-        counts.pop()
+        shortest = int(np.argmin(counts))
+        del sentences[shortest], counts[shortest]
     raise ValueError(f"prompt target of {ctx.target} tokens leaves no room for a haystack ({overhead} tokens without one)")
 
 
