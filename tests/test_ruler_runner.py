@@ -178,6 +178,16 @@ def test_json_round_trip_and_cli_merge(tmp_path):
     assert "| avg / dense | 4096 | | 100% | 50% |" in (tmp_path / "merged" / "merged.md").read_text()
 
 
+def test_cli_merge_refuses_an_answer_present_in_two_parts(tmp_path, capsys):
+    records = rr.evaluate(suite(), METHODS, half_right_answerer([]), batch_size=4)
+    rr.write_json(tmp_path / "a.json", records, {"command": "a"})
+    rr.write_json(tmp_path / "b.json", records[-1:], {"command": "b"})
+    assert cli.main(["eval", "ruler", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                     "--out", str(tmp_path / "merged")]) == 2
+    assert "both hold half's answer to niah_single at 4096" in capsys.readouterr().err
+    assert not (tmp_path / "merged").exists()
+
+
 def test_cli_merge_of_a_file_that_is_not_a_result_is_a_user_error(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text("{}")
@@ -189,3 +199,11 @@ def test_cli_parser_accepts_quick():
     args = cli.build_parser().parse_args(["eval", "ruler", "--quick"])
     assert args.study == "ruler" and args.quick and args.out == "results/ruler"
 
+
+
+def test_output_stem_names_the_subset_a_run_covers():
+    assert rr.output_stem(True, (2048,), None, None) == "quick"
+    assert rr.output_stem(False, (2048, 4096), None, None) == "ruler_2048_4096"
+    assert (rr.output_stem(False, (8192,), "niah_single, niah_multikey", None)
+            == "ruler_8192_niah_single-niah_multikey")
+    assert rr.output_stem(False, (8192,), "common_words", "dense,hybrid") == "ruler_8192_common_words_dense-hybrid"

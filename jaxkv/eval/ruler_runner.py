@@ -1,6 +1,7 @@
 """RULER-style accuracy of dense vs sparse decoding on the embedded model.
 
-    jaxkv eval ruler [--quick] [--lengths 2048,4096,8192] [--n 20] [--tasks T,...] [--out results/ruler]
+    jaxkv eval ruler [--quick] [--lengths 2048,4096,8192] [--n 20] [--tasks T,...] [--methods M,...]
+                     [--out results/ruler]
     jaxkv eval ruler --merge results/ruler/a.json results/ruler/b.json [--out DIR]
 
 Every task of :mod:`jaxkv.eval.ruler` at every length is answered by dense
@@ -319,6 +320,19 @@ def load_records(path: Path) -> tuple[dict, list[Record]]:
     return meta, records
 
 
+def merge_records(parts: Sequence[Sequence[Record]], names: Sequence[str]) -> list[Record]:
+    """The records of every part, refusing an example a method answered in two parts (it would count twice)."""
+    seen: dict[tuple, str] = {}
+    for records, name in zip(parts, names):
+        for r in records:
+            key = (r.task, r.length, r.seed, r.method)
+            if key in seen:
+                raise ValueError(f"{name} and {seen[key]} both hold {r.method}'s answer to {r.task} "
+                                 f"at {r.length} (seed {r.seed})")
+            seen[key] = name
+    return [r for records in parts for r in records]
+
+
 def method_order(records: Sequence[Record]) -> list[str]:
     """Method labels in order of first appearance (dense first, as the runner writes them)."""
     return list(dict.fromkeys(r.method for r in records))
@@ -371,6 +385,17 @@ def _command_line(args) -> str:
     return " ".join(parts)
 
 
+def output_stem(quick: bool, lengths: Sequence[int], tasks: str | None, methods: str | None) -> str:
+    """The result files' name: a run of a subset of tasks or methods names them, so parts of one length don't collide."""
+    if quick:
+        return "quick"
+    parts = ["ruler", *map(str, lengths)]
+    for subset in (tasks, methods):
+        if subset:
+            parts.append("-".join(x.strip() for x in subset.split(",") if x.strip()))
+    return "_".join(parts)
+
+
 def _write_outputs(out: Path, stem: str, records: Sequence[Record], meta: dict) -> str:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / f"{stem}.json", records, meta)
@@ -382,9 +407,9 @@ def _write_outputs(out: Path, stem: str, records: Sequence[Record], meta: dict) 
 def main(args) -> int:
     out = Path(args.out)
     if args.merge:
-        metas, records = zip(*(load_records(Path(p)) for p in args.merge))
+        metas, parts = zip(*(load_records(Path(p)) for p in args.merge))
         meta = {"command": _command_line(args), "merged_from": list(args.merge), "parts": list(metas)}
-        print(_write_outputs(out, "merged", [r for rs in records for r in rs], meta))
+        print(_write_outputs(out, "merged", merge_records(parts, args.merge), meta))
         return 0
 
     import models
@@ -399,7 +424,7 @@ def main(args) -> int:
     examples = [e for e in ruler.make_suite(tokenizer, lengths=lengths, n_per_task=n_per_task, seed=args.seed)
                 if e.task in tasks]
     kv_bytes = 2 * config.head_dim * np.dtype(np.float32).itemsize  # params load as float32
-    stem = "quick" if args.quick else "ruler_" + "_".join(map(str, lengths))
+    stem = output_stem(args.quick, lengths, args.tasks, args.methods)
     meta = {"command": _command_line(args), "model": str(args.model or "SmolLM2-135M-Instruct (embedded GGUF)"),
             "lengths": list(lengths), "n_per_task": n_per_task,
             **settings(methods, config.head_dim, kv_bytes, args.cap)}
