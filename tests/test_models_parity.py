@@ -234,8 +234,8 @@ def _head_major(x):
 
 
 # (query_block, key_block): one block each; queries blocked; keys blocked with a
-# shifted last block (45 = 5·8 + 5); key_block beyond the cache.
-@pytest.mark.parametrize("query_block,key_block", [(512, 1024), (8, 1024), (512, 8), (8, 8), (512, 45)])
+# shifted last block (45 = 5·8 + 5); key_block the cache; the default (the whole cache here).
+@pytest.mark.parametrize("query_block,key_block", [(512, 1024), (8, 1024), (512, 8), (8, 8), (512, 45), (8, None)])
 def test_causal_attention_matches_numpy_reference(query_block, key_block):
     """GQA head mapping (query head h -> KV head h // G), causal mask by position, query and key blocking.
 
