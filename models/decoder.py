@@ -58,6 +58,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
+# Scores per KV head in one key block of prefix_causal_attention. Measured for a
+# 512-query chunk at 8k keys (SmolLM2, batch 1): blocks of 256 / 512 / 1024 / 2048 keys
+# took 185 / 163 / 167 / 207 ms, the whole cache at once 280 ms; for one decode query
+# blocks of 512 keys cost more than none (2.4–2.8 vs 1.7–2.0 ms per layer).
+SCORES_PER_BLOCK = 512 * 1536
+
+# A finite floor for masked scores, not -inf: a row that sees nothing stays finite instead of NaN.
+_SCORE_FLOOR = float(jnp.finfo(jnp.float32).min)
+
+
 def dense_causal_attention(q, k_all, v_all, q_positions, kv_positions, *, query_block: int = 512) -> jax.Array:
     """Softmax attention where a query at position p sees the keys at positions <= p.
 
@@ -91,6 +101,8 @@ def prefix_causal_attention(q, k_all, v_all, q_positions, *, query_block: int = 
     where blocks would only add copies.
     """
     _check_attention_shapes("prefix_causal_attention", q, k_all, v_all)
+    if key_block is not None and key_block < 1:
+        raise ModelError(f"prefix_causal_attention: key_block must be >= 1 or None, got {key_block}")
     b, s = q.shape[0], k_all.shape[2]
     queries_per_kv_head = min(q.shape[1], query_block) * q.shape[2] // k_all.shape[1]
     block = min(key_block or max(SCORES_PER_BLOCK // queries_per_kv_head, 1), s)
@@ -117,16 +129,6 @@ def prefix_causal_attention(q, k_all, v_all, q_positions, *, query_block: int = 
         return jax.vmap(_normalise)(q, sums, acc)
 
     return _by_query_block(attend, q, q_positions, query_block)
-
-
-# Scores per KV head in one key block of prefix_causal_attention. Measured for a
-# 512-query chunk at 8k keys (SmolLM2, batch 1): blocks of 256 / 512 / 1024 / 2048 keys
-# took 185 / 163 / 167 / 207 ms, the whole cache at once 280 ms; for one decode query
-# blocks of 512 keys cost more than none (2.4–2.8 vs 1.7–2.0 ms per layer).
-SCORES_PER_BLOCK = 512 * 1536
-
-# A finite floor for masked scores, not -inf: a row that sees nothing stays finite instead of NaN.
-_SCORE_FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
 def _check_attention_shapes(name, q, k_all, v_all) -> None:

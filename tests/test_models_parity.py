@@ -261,6 +261,12 @@ def test_prefix_causal_attention_reads_no_block_past_the_last_query():
     np.testing.assert_allclose(np.asarray(out), expected, rtol=0, atol=1e-5)
 
 
+def test_prefix_causal_attention_rejects_an_empty_key_block():
+    q, k, v, q_pos = _attention_inputs(t=3, s=8, offsets=(0,))
+    with pytest.raises(models.ModelError, match="key_block must be >= 1"):
+        models.prefix_causal_attention(jnp.asarray(q), _head_major(k), _head_major(v), jnp.asarray(q_pos), key_block=0)
+
+
 def _hf_greedy(model, prompt, new_tokens, eos_ids):
     """transformers' greedy continuation, cut before its first EOS (jaxkv excludes EOS)."""
     with torch.no_grad():
@@ -280,3 +286,4 @@ def test_greedy_generation_matches_transformers(reference, loaded):
     prompt = tokens[0, :20].tolist()
     ours = jaxkv.generate(params, config, [prompt], max_new_tokens=24).tokens[0]
     assert ours == _hf_greedy(reload_transformers_model(directory), prompt, 24, config.eos_token_ids)
+
