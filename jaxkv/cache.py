@@ -410,25 +410,24 @@ class Backend:
                      for l in range(self.num_layers))
 
     def from_prefill(self, staging: models.KVCache, lengths):
+        """Every layer's decode state from the prefilled staging cache (dense layers keep their slice).
+
+        One jitted call per layer: in one program over all layers, XLA CPU kept
+        every layer's index-build temporaries alive at once.
+        """
         if self.method == "dense":
             return staging
-        return _regions_for_layers(self, staging, lengths)
+        base_key = jax.random.key(self.seed)
+        return tuple(
+            models.KVCache(k=staging.k[layer], v=staging.v[layer]) if layer in self.dense_layers
+            else _layer_regions(self, staging.k[layer], staging.v[layer], lengths, jax.random.fold_in(base_key, layer))
+            for layer in range(self.num_layers))
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))
-def _regions_for_layers(backend: Backend, staging: models.KVCache, lengths):
-    states = []
-    base_key = jax.random.key(backend.seed)
-    for layer in range(backend.num_layers):
-        k, v = staging.k[layer], staging.v[layer]
-        if layer in backend.dense_layers:
-            states.append(models.KVCache(k=k, v=v))
-        else:
-            states.append(regions_from_prefill(
-                k, v, lengths, method=method_module(backend.method), mcfg=backend.method_config,
-                ccfg=backend.cache, capacity=backend.retrieval_capacity,
-                key=jax.random.fold_in(base_key, layer)))
-    return tuple(states)
+def _layer_regions(backend: Backend, k, v, lengths, key) -> RegionKV:
+    return regions_from_prefill(k, v, lengths, method=method_module(backend.method), mcfg=backend.method_config,
+                                ccfg=backend.cache, capacity=backend.retrieval_capacity, key=key)
 
 
 def make_backend(config, method: str, method_config, cache_config, max_prompt: int,
