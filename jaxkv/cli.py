@@ -201,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     rul.add_argument("--top-k", type=int, default=512, help="keys ParisKV and the TopK oracle retrieve")
     rul.add_argument("--methods", help="comma-separated method labels (default: all)")
     rul.add_argument("--tasks", help="comma-separated task names (default: all)")
+    rul.add_argument("--resume", action="store_true",
+                     help="keep the examples the output JSON already holds (a killed run's) and answer the rest")
     rul.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier result files instead of running")
     rul.add_argument("--out", default="results/ruler")
     rul.set_defaults(run=lambda a: _study("ruler_runner", a))

@@ -2,6 +2,7 @@
 
     jaxkv eval ruler [--quick] [--lengths 2048,4096,8192] [--n 20] [--tasks T,...] [--methods M,...]
                      [--out results/ruler]
+    jaxkv eval ruler ... --resume      # keep what a killed run wrote, answer the rest
     jaxkv eval ruler --merge results/ruler/a.json results/ruler/b.json [--out DIR]
 
 Every task of :mod:`jaxkv.eval.ruler` at every length is answered by dense
@@ -382,6 +383,8 @@ def _command_line(args) -> str:
         parts.append(f"--methods {args.methods}")
     if args.tasks:
         parts.append(f"--tasks {args.tasks}")
+    if args.resume:
+        parts.append("--resume")
     return " ".join(parts)
 
 
@@ -402,6 +405,29 @@ def _write_outputs(out: Path, stem: str, records: Sequence[Record], meta: dict) 
     table = markdown(summarize(records), method_order(records))
     (out / f"{stem}.md").write_text(f"Command: `{meta['command']}`\n\n{table}\n")
     return table
+
+
+def resume(path: Path, meta: dict, methods: Sequence[MethodSpec],
+           examples: Sequence[ruler.Example]) -> tuple[list[Record], list[ruler.Example]]:
+    """(records kept from a killed run's JSON, examples still to answer).
+
+    Kept: every record of an example all of ``methods`` answered. The file must
+    have been written with the same methods and answer cap; ``meta`` notes the
+    seconds it had taken.
+    """
+    old_meta, old_records = load_records(path)
+    same = {k: json.loads(json.dumps(meta[k])) for k in ("methods", "answer_cap_tokens")}
+    if any(old_meta.get(k) != v for k, v in same.items()):
+        raise ValueError(f"--resume: {path} was written with other methods or answer cap; "
+                         "resume with the same flags or choose another --out")
+    labels = {spec.label for spec in methods}
+    answered: dict[tuple[str, int, int], set[str]] = {}
+    for r in old_records:
+        answered.setdefault((r.task, r.length, r.seed), set()).add(r.method)
+    done = {key for key, got in answered.items() if labels <= got}
+    meta["resumed_after_seconds"] = old_meta.get("seconds")
+    return ([r for r in old_records if (r.task, r.length, r.seed) in done],
+            [e for e in examples if (e.task, e.length, int(e.meta["seed"])) not in done])
 
 
 def main(args) -> int:
@@ -428,16 +454,19 @@ def main(args) -> int:
     meta = {"command": _command_line(args), "model": str(args.model or "SmolLM2-135M-Instruct (embedded GGUF)"),
             "lengths": list(lengths), "n_per_task": n_per_task,
             **settings(methods, config.head_dim, kv_bytes, args.cap)}
-    print(f"{len(examples)} examples x {len(methods)} methods; model and suite ready in {time.time() - t0:.0f} s",
-          flush=True)
+    kept: list[Record] = []
+    if args.resume and (out / f"{stem}.json").exists():
+        kept, examples = resume(out / f"{stem}.json", meta, methods, examples)
+    print(f"{len(examples)} examples x {len(methods)} methods ({len(kept) // len(methods)} kept from a previous run); "
+          f"model and suite ready in {time.time() - t0:.0f} s", flush=True)
 
     def progress(records):
         meta["seconds"] = round(time.time() - t0, 1)
-        _write_outputs(out, stem, records, meta)
+        _write_outputs(out, stem, kept + records, meta)
         print(f"[{meta['seconds']:.0f} s] {len(records) // len(methods)}/{len(examples)} examples done", flush=True)
 
     answerer = model_answerer(params, config, tokenizer, cap=args.cap, log=lambda line: print(line, flush=True))
-    records = evaluate(examples, methods, answerer, batch_size=args.batch_size, on_batch=progress)
+    records = kept + evaluate(examples, methods, answerer, batch_size=args.batch_size, on_batch=progress)
     print(_write_outputs(out, stem, records, meta))
     print(f"wrote {out}/{stem}.json and {stem}.md in {time.time() - t0:.0f} s")
     return 0
