@@ -110,6 +110,16 @@ class Record:
     references: tuple[str, ...]
     prompt_tokens: int
 
+    @property
+    def example(self) -> tuple[str, int, int]:
+        """(task, length, seed): which generated example this answers, as example_key names it."""
+        return self.task, self.length, self.seed
+
+
+def example_key(example: ruler.Example) -> tuple[str, int, int]:
+    """(task, length, seed): an example's identity across runs (the suite regenerates it from these)."""
+    return example.task, example.length, int(example.meta["seed"])
+
 
 # (examples of one length, methods) -> per method label, one Answer per example.
 Answerer = Callable[[Sequence[ruler.Example], Sequence[MethodSpec]], dict[str, list[Answer]]]
@@ -181,8 +191,9 @@ def score_batch(examples: Sequence[ruler.Example], answers: dict[str, list[Answe
             raise ValueError(f"answerer returned {None if got is None else len(got)} answers for method "
                              f"{spec.label!r}; expected {len(examples)}")
         for example, answer in zip(examples, got):
+            task, length, seed = example_key(example)
             records.append(Record(
-                task=example.task, length=example.length, seed=int(example.meta["seed"]), method=spec.label,
+                task=task, length=length, seed=seed, method=spec.label,
                 score=ruler.score(answer.text, example), keys_read_fraction=answer.keys_read_fraction,
                 answer=answer.text, references=example.answers, prompt_tokens=int(example.meta["prompt_tokens"])))
     return records
@@ -326,7 +337,7 @@ def merge_records(parts: Sequence[Sequence[Record]], names: Sequence[str]) -> li
     seen: dict[tuple, str] = {}
     for records, name in zip(parts, names):
         for r in records:
-            key = (r.task, r.length, r.seed, r.method)
+            key = (*r.example, r.method)
             if key in seen:
                 raise ValueError(f"{name} and {seen[key]} both hold {r.method}'s answer to {r.task} "
                                  f"at {r.length} (seed {r.seed})")
@@ -342,9 +353,14 @@ def method_order(records: Sequence[Record]) -> list[str]:
 # ------------------------------------------------------------------------ CLI
 
 
+def _comma_list(text: str) -> list[str]:
+    """The non-empty, stripped items of a comma-separated flag value."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _parse_lengths(text: str) -> tuple[int, ...]:
     try:
-        lengths = tuple(int(x) for x in text.split(",") if x.strip())
+        lengths = tuple(int(x) for x in _comma_list(text))
     except ValueError:
         raise ValueError(f"--lengths must be comma-separated ints, got {text!r}") from None
     if not lengths or min(lengths) <= 0:
@@ -355,7 +371,7 @@ def _parse_lengths(text: str) -> tuple[int, ...]:
 def _select(methods: Sequence[MethodSpec], wanted: str | None) -> tuple[MethodSpec, ...]:
     if not wanted:
         return tuple(methods)
-    labels = [x.strip() for x in wanted.split(",") if x.strip()]
+    labels = _comma_list(wanted)
     known = {m.label: m for m in methods}
     unknown = [x for x in labels if x not in known]
     if unknown:
@@ -366,7 +382,7 @@ def _select(methods: Sequence[MethodSpec], wanted: str | None) -> tuple[MethodSp
 def _parse_tasks(text: str | None) -> tuple[str, ...]:
     if not text:
         return ruler.TASKS
-    tasks = tuple(x.strip() for x in text.split(",") if x.strip())
+    tasks = tuple(_comma_list(text))
     unknown = [x for x in tasks if x not in ruler.TASKS]
     if unknown or not tasks:
         raise ValueError(f"--tasks: unknown task(s) {unknown or text!r}; known: {', '.join(ruler.TASKS)}")
@@ -395,7 +411,7 @@ def output_stem(quick: bool, lengths: Sequence[int], tasks: str | None, methods:
     parts = ["ruler", *map(str, lengths)]
     for subset in (tasks, methods):
         if subset:
-            parts.append("-".join(x.strip() for x in subset.split(",") if x.strip()))
+            parts.append("-".join(_comma_list(subset)))
     return "_".join(parts)
 
 
@@ -423,11 +439,11 @@ def resume(path: Path, meta: dict, methods: Sequence[MethodSpec],
     labels = {spec.label for spec in methods}
     answered: dict[tuple[str, int, int], set[str]] = {}
     for r in old_records:
-        answered.setdefault((r.task, r.length, r.seed), set()).add(r.method)
+        answered.setdefault(r.example, set()).add(r.method)
     done = {key for key, got in answered.items() if labels <= got}
     meta["resumed_after_seconds"] = old_meta.get("seconds")
-    return ([r for r in old_records if (r.task, r.length, r.seed) in done],
-            [e for e in examples if (e.task, e.length, int(e.meta["seed"])) not in done])
+    return ([r for r in old_records if r.example in done],
+            [e for e in examples if example_key(e) not in done])
 
 
 def main(args) -> int:
