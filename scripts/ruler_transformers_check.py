@@ -1,7 +1,7 @@
 """Are a RULER run's dense answers the model's? Re-answer them with transformers.
 
     python scripts/ruler_transformers_check.py RESULT_JSON [--per-task 2] [--seed 0]
-                                               [--out RESULT_transformers.json]
+                                               [--out DIR/transformers_check/RESULT.json]
 
 RESULT_JSON is a file `jaxkv eval ruler` wrote. For the first ``--per-task``
 dense records of every task and length in it, the script regenerates the same
@@ -50,9 +50,10 @@ def main(argv=None) -> int:
     parser.add_argument("result", type=Path)
     parser.add_argument("--per-task", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0, help="the run's --seed")
-    parser.add_argument("--out", type=Path, help="default: beside RESULT_JSON, named <its stem>_transformers.json")
+    parser.add_argument("--out", type=Path, help="default: transformers_check/<RESULT_JSON's name> beside RESULT_JSON "
+                                                 "(not beside it: `--merge` globs of run files would take it in)")
     args = parser.parse_args(argv)
-    out = args.out or args.result.with_name(f"{args.result.stem}_transformers.json")
+    out = args.out or args.result.parent / "transformers_check" / args.result.name
 
     import torch
     from transformers import AutoModelForCausalLM
