@@ -50,8 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("result", type=Path)
     parser.add_argument("--per-task", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0, help="the run's --seed")
-    parser.add_argument("--out", type=Path, help="default: transformers_check/<RESULT_JSON's name> beside RESULT_JSON "
-                                                 "(not beside it: `--merge` globs of run files would take it in)")
+    parser.add_argument("--out", type=Path, help="default: RESULT_JSON's folder/transformers_check/RESULT_JSON's name "
+                                                 "(a subfolder: `--merge` globs of run files would take it in)")
     args = parser.parse_args(argv)
     out = args.out or args.result.parent / "transformers_check" / args.result.name
 
