@@ -214,15 +214,13 @@ def test_resume_keeps_finished_examples_and_returns_the_rest(tmp_path):
     records = rr.evaluate(examples, METHODS, half_right_answerer([]), batch_size=4)
     meta = rr.settings(METHODS, 64, 512, 48)
     # A killed run: the first four examples answered by both methods, the fifth by dense only.
-    first_four = {(e.task, e.length, e.meta["seed"]) for e in examples[:4]}
-    fifth = examples[4]
-    written = [r for r in records if (r.task, r.length, r.seed) in first_four]
-    written += [r for r in records if (r.task, r.length, r.seed) == (fifth.task, fifth.length, fifth.meta["seed"])
-                and r.method == "dense"]
+    first_four = {rr.example_key(e) for e in examples[:4]}
+    written = [r for r in records if r.example in first_four]
+    written += [r for r in records if r.example == rr.example_key(examples[4]) and r.method == "dense"]
     rr.write_json(tmp_path / "run.json", written, {"command": "x", **meta, "seconds": 12.5})
     resumed_meta = dict(meta)
     kept, rest = rr.resume(tmp_path / "run.json", resumed_meta, METHODS, examples)
-    assert kept == [r for r in written if (r.task, r.length, r.seed) in first_four]
+    assert kept == [r for r in written if r.example in first_four]
     assert rest == list(examples[4:]) and resumed_meta["resumed_after_seconds"] == 12.5
     with pytest.raises(ValueError, match="other methods or answer cap"):
         rr.resume(tmp_path / "run.json", rr.settings(METHODS, 64, 512, 30), METHODS, examples)
