@@ -50,12 +50,9 @@ from jaxkv import cache as kvcache  # noqa: E402
 from jaxkv.attention import common, magicpig, pariskv  # noqa: E402
 
 GiB = 1 << 30
-# MagicPIG's index is built by magicpig.insert, this many keys at a time:
-# build() hashes every row at once ([N, K·L] float32 = 6 GB per head at 1M keys).
-INSERT_CHUNK = 1 << 16
 # Peak memory of one configuration, in units of its K+V (f32) and of its largest
 # index: staging, the padded head-major copy and the retrieval copy of K and V;
-# the index, its stacked copy and the insert temporaries. The machine is shared:
+# the index, its stacked copy and the build temporaries. The machine is shared:
 # a configuration that does not fit in what is available when it starts is
 # skipped and reported (others may still take memory while it runs).
 # Calibrated on two OOM kills of this script: Llama shape at 64k (3.8 GB resident)
@@ -126,7 +123,7 @@ def _vmap2(f):
 
 
 class _NoIndex:
-    """A method with no index, for regions_from_prefill: MagicPIG's is built separately (INSERT_CHUNK)."""
+    """A method with no index, for regions_from_prefill: MagicPIG's is built separately, a head at a time."""
 
     @staticmethod
     def build(cfg, keys, n, key):
@@ -140,21 +137,9 @@ def _regions(staging_k, staging_v, lengths, key, *, method, mcfg, ccfg, capacity
 
 
 def magicpig_index(cfg, retr_k, n: int, key):
-    """Index of one layer, [1, H] leading axes, built by chunked magicpig.insert (μ over all n keys)."""
-    heads = []
-    for h in range(retr_k.shape[1]):
-        keys = jax.device_put(retr_k[0, h], kvcache.DEVICE)
-        mu = jnp.mean(keys[:n], axis=0)
-        index = magicpig.build(cfg, keys[:1], 0, key, mu=mu)  # the projection; nothing indexed
-        index = dataclasses.replace(
-            index, sorted_ids=jnp.zeros((cfg.L, keys.shape[0]), jnp.int32),
-            bucket_starts=jnp.zeros_like(index.bucket_starts))
-        chunk = min(INSERT_CHUNK, n)
-        padded = jnp.pad(keys[:n], ((0, -n % chunk), (0, 0)))
-        for start in range(0, n, chunk):
-            index = magicpig.insert(cfg, index, padded[start:start + chunk], min(chunk, n - start))
-        heads.append(jax.block_until_ready(index))
-        del keys, padded
+    """Index of one layer, [1, H] leading axes, built one KV head at a time (μ over all n keys)."""
+    heads = [jax.block_until_ready(magicpig.build(cfg, jax.device_put(retr_k[0, h], kvcache.DEVICE), n, key))
+             for h in range(retr_k.shape[1])]
     return jax.tree.map(lambda *x: jnp.stack(x)[None], *heads)
 
 

@@ -178,6 +178,18 @@ def test_insertion_then_retrieval_equals_building_from_all_keys():
     np.testing.assert_allclose(index.mu, np.mean(np.asarray(keys[:50]), axis=0), rtol=1e-5, atol=1e-6)
 
 
+def test_build_past_one_hash_batch_files_every_key_under_its_own_code():
+    n = mp.HASH_BATCH + 123  # a full batch and a padded partial one
+    _, keys, _ = offset_keys(4, n)
+    index = mp.build(SMALL, keys, n, LAYER_KEY)
+    codes = np.asarray(mp.hash_codes(SMALL, index.projection, keys - index.mu))  # all rows at once
+    starts, ids = np.asarray(index.bucket_starts), np.asarray(index.sorted_ids)
+    for table in range(SMALL.L):
+        filed = np.repeat(np.arange(2**SMALL.K), np.diff(starts[table]))  # bucket of each slot
+        np.testing.assert_array_equal(filed, codes[ids[table], table], err_msg=f"table {table}")
+        np.testing.assert_array_equal(np.sort(ids[table]), np.arange(n))
+
+
 def test_insert_beyond_capacity_counts_the_dropped_keys():
     _, keys, _ = offset_keys(3, 100)
     index = mp.build(SMALL, keys, 80, LAYER_KEY)

@@ -73,6 +73,10 @@ MAX_BUCKET_STARTS = 1 << 24
 # Candidate entries read per query head are at least this many per table, so
 # short contexts are not starved by a fractional capacity.
 MIN_CANDIDATES_PER_TABLE = 4
+# Keys hashed per batch when building or inserting: the projections of a batch,
+# [HASH_BATCH, K·L] float32, are 24 MB at K10L150 (all keys at once: 6 GB per
+# head at 1M keys).
+HASH_BATCH = 4096
 # Binomial tail terms summed directly when the tail decays fast (ratio ≤ 1/2:
 # the remainder after 32 terms is below 2^-31 of the sum).
 TAIL_TERMS = 32
@@ -293,7 +297,11 @@ def _check_keys(name: str, keys: jax.Array, d: int | None = None) -> None:
 
 def _masked_codes(cfg, projection, mu, keys, count):
     """Codes [U, L] int32 of keys − μ; rows >= count get 2^K, which sorts after every bucket."""
-    codes = hash_codes(cfg, projection, keys.astype(jnp.float32) - mu).astype(jnp.int32)
+    u, d = keys.shape
+    batch = min(u, HASH_BATCH)
+    batches = jnp.pad(keys, ((0, -u % batch), (0, 0))).reshape(-1, batch, d)
+    codes = lax.map(lambda rows: hash_codes(cfg, projection, rows.astype(jnp.float32) - mu), batches)
+    codes = codes.reshape(-1, cfg.L)[:u].astype(jnp.int32)
     return jnp.where((jnp.arange(keys.shape[0]) < count)[:, None], codes, 2**cfg.K)
 
 
