@@ -1,4 +1,4 @@
-"""ParisKV's coarse top-C on this backend: lax.top_k against selections by vote threshold, one run.
+"""ParisKV's coarse top-C on this backend: lax.top_k against selections by vote histogram, one run.
 
     python benchmarks/bench_selection.py [--sizes 65536 262144] [--repeats 5]
                                          [--out results/bench_selection]
@@ -11,10 +11,11 @@ ties lax.top_k keeps). This script times, for the 3 KV heads of SmolLM2 (vmapped
 as the decode step runs them) over real ParisKV votes of keys synthesised from
 SmolLM2's statistics (benchmarks/synthetic_keys.py):
 
-- ``lax_top_k``: ``pariskv.top_indices`` on float32 votes (what the code runs);
-- ``threshold``: only finding t (a histogram by compare-and-sum over the vote values);
-- ``threshold_nonzero``: t, the tie cut by a cumsum, ``jnp.nonzero(size=C)``;
-- ``threshold_blocks``: t, then compaction by blocks of 256 (in-block cumsum, scatter);
+- ``lax_top_k``: ``pariskv.top_indices`` on float32 votes (the code until 2026-11-30);
+- ``histogram``: ``pariskv.most_voted_rows`` — t from a ``bincount`` of the vote
+  values, the last tie found block by block, compaction by one associative-scan
+  cumsum and a scatter (what the code runs);
+- ``histogram_only``: the ``bincount`` alone (what finding t costs);
 - ``packed_sort``: one ``jnp.sort`` of (max − votes) << 20 | row, the first C.
 
 Each selection's set is checked against lax_top_k's. Median and [min–max] of
@@ -40,7 +41,6 @@ import synthetic_keys  # noqa: E402
 from jaxkv.attention import pariskv  # noqa: E402
 
 ROW_BITS = 20  # packed_sort: rows < 2^20 (1M keys)
-BLOCK = 256
 
 
 def real_votes(stats, n: int, cfg: pariskv.ParisKVConfig) -> jax.Array:
@@ -55,46 +55,18 @@ def real_votes(stats, n: int, cfg: pariskv.ParisKVConfig) -> jax.Array:
     return jax.jit(jax.vmap(per_head))(keys[0], queries)
 
 
-def vote_threshold(votes: jax.Array, count: int, most: int) -> tuple[jax.Array, jax.Array]:
-    """(t, how many keys at t to take): the largest t with ≥ count keys voting ≥ t (votes in [-1, most])."""
-    values = jnp.arange(-1, most + 1, dtype=jnp.int32)
-    at_least = jnp.sum(votes[:, None] >= values[None, :], axis=0, dtype=jnp.int32)
-    t_index = jnp.sum(at_least >= count) - 1
-    above = jnp.where(t_index + 1 < values.shape[0], at_least[jnp.minimum(t_index + 1, values.shape[0] - 1)], 0)
-    return values[t_index], count - above
-
-
-def _taken(votes, count, most):
-    t, ties = vote_threshold(votes, count, most)
-    at_t = votes == t
-    return (votes > t) | (at_t & (jnp.cumsum(at_t, dtype=jnp.int32) <= ties))
-
-
-def threshold_nonzero(votes, count, most):
-    return jnp.nonzero(_taken(votes, count, most), size=count)[0]
-
-
-def threshold_blocks(votes, count, most):
-    taken = _taken(votes, count, most).reshape(-1, BLOCK)
-    within = jnp.cumsum(taken, axis=1, dtype=jnp.int32)
-    starts = jnp.cumsum(within[:, -1]) - within[:, -1]
-    slot = jnp.where(taken, starts[:, None] + within - 1, count).reshape(-1)
-    rows = jnp.arange(votes.shape[0], dtype=jnp.int32)
-    return jnp.zeros(count + 1, jnp.int32).at[slot].set(rows, mode="drop")[:count]
-
-
 def packed_sort(votes, count, most):
     rows = jnp.arange(votes.shape[0], dtype=jnp.int32)
     return (jnp.sort(((most - votes) << ROW_BITS) | rows)[:count]) & ((1 << ROW_BITS) - 1)
 
 
 def strategies(count: int, most: int) -> dict:
+    """name → (selection of votes[N], whether it returns C rows to check against lax_top_k's)."""
     return {
-        "lax_top_k": lambda v: pariskv.top_indices(v.astype(jnp.float32), count),
-        "threshold": lambda v: vote_threshold(v, count, most)[0],
-        "threshold_nonzero": lambda v: threshold_nonzero(v, count, most),
-        "threshold_blocks": lambda v: threshold_blocks(v, count, most),
-        "packed_sort": lambda v: packed_sort(v, count, most),
+        "lax_top_k": (lambda v: pariskv.top_indices(v.astype(jnp.float32), count), True),
+        "histogram": (lambda v: pariskv.most_voted_rows(v, count, most), True),
+        "histogram_only": (lambda v: jnp.bincount(v + 1, length=most + 2), False),
+        "packed_sort": (lambda v: packed_sort(v, count, most), True),
     }
 
 
@@ -122,14 +94,14 @@ def main(argv=None) -> int:
     rows = []
     for n in args.sizes:
         votes = real_votes(stats, n, cfg)
-        most = int(jnp.max(votes))
+        most = pariskv.N_TIERS * pariskv.n_subspaces(cfg, int(stats.queries.shape[-1]))
         count = pariskv.n_candidates(cfg, n)
         reference = None
-        for name, fn in strategies(count, most).items():
+        for name, (fn, selects) in strategies(count, most).items():
             out, seconds = timed(jax.jit(jax.vmap(fn)), votes, args.repeats)
             if name == "lax_top_k":
                 reference = np.sort(np.asarray(out), axis=-1)
-            elif out.ndim == 2 and not np.array_equal(np.sort(np.asarray(out), axis=-1), reference):
+            elif selects and not np.array_equal(np.sort(np.asarray(out), axis=-1), reference):
                 raise AssertionError(f"{name} selects another set than lax.top_k at N={n}")
             rows.append({"n": n, "candidates": count, "strategy": name, "ms_median": 1e3 * float(np.median(seconds)),
                          "ms_min": 1e3 * min(seconds), "ms_max": 1e3 * max(seconds)})

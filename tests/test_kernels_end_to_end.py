@@ -100,7 +100,7 @@ def test_pariskv_candidates_rerank_and_selection_equal_the_xla_path(n):
     q = _keys(7, 2)
     cand_x, score_x, sel_x = _pariskv_steps(_with(PARISKV, "xla"), index, q)
     cand_k, score_k, sel_k = _pariskv_steps(_with(PARISKV, "interpret"), index, q)
-    np.testing.assert_array_equal(cand_x, cand_k)  # same rows in lax.top_k's order
+    np.testing.assert_array_equal(cand_x, cand_k)  # same rows in ascending order
     np.testing.assert_allclose(score_k, score_x, rtol=SCORE_RTOL, atol=SCORE_RTOL * np.abs(score_x).max())
     np.testing.assert_array_equal(sel_x.idx, sel_k.idx)
     np.testing.assert_array_equal(sel_x.mask, sel_k.mask)

@@ -302,3 +302,26 @@ def test_top_indices_is_exactly_lax_top_k(n, k, dtype):
         values = _normal(30, (n,)).at[::7].set(-jnp.inf)
     np.testing.assert_array_equal(jax.jit(pariskv.top_indices, static_argnums=1)(values, k),
                                   jax.lax.top_k(values, k)[1])
+
+
+@pytest.mark.parametrize("n_valid, count, top", [
+    (5_000, 500, 12),   # many ties at the threshold
+    (5_000, 500, 48),   # N_TIERS·B at m = 8, d = 64: the bound the coarse stage passes
+    (300, 500, 12),     # fewer valid rows than candidates: invalid rows n, n+1, … fill
+    (5_000, 5_000, 12),  # every row
+    (300, 200, 12),     # fewer rows than one block of the tie search
+    (3_000, 2_990, 3),  # the last ties lie in the last, partial block
+])
+def test_most_voted_rows_is_lax_top_k_set_in_ascending_order(n_valid, count, top):
+    n = max(n_valid, count)
+    votes = jax.random.randint(jax.random.key(31), (n,), 0, top + 1)
+    votes = jnp.where(jnp.arange(n) < n_valid, votes, -1)  # unused rows vote -1, as coarse_votes gives
+    rows = jax.jit(pariskv.most_voted_rows, static_argnums=(1, 2))(votes, count, top)
+    np.testing.assert_array_equal(rows, np.sort(np.asarray(jax.lax.top_k(votes, count)[1])))
+
+
+def test_most_voted_rows_when_the_ties_end_at_a_block_boundary():
+    # One row above the threshold, after the boundary; the ties fill exactly the first block.
+    votes = jnp.zeros(3 * pariskv.TIE_BLOCK, jnp.int32).at[2_000].set(5)
+    rows = pariskv.most_voted_rows(votes, pariskv.TIE_BLOCK + 1, 48)
+    np.testing.assert_array_equal(rows, np.r_[np.arange(pariskv.TIE_BLOCK), 2_000])

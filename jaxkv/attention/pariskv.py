@@ -323,9 +323,10 @@ SELECTION_BLOCK = 256
 def top_indices(values: jax.Array, k: int) -> jax.Array:
     """Positions [k] of the k largest values[N], ties to the lower position: lax.top_k's answer.
 
-    The one place selection happens. When N ≥ 2·k·SELECTION_BLOCK it runs in two
-    exact stages (DESIGN.md's cost table: ~8× cheaper than lax.top_k on CPU for
-    k = 100 at 1M): the k blocks with the largest maxima hold every top-k element
+    The final top-k's selection (the coarse stage uses :func:`most_voted_rows`).
+    When N ≥ 2·k·SELECTION_BLOCK it runs in two exact stages (DESIGN.md's cost
+    table: ~8× cheaper than lax.top_k on CPU for k = 100 at 1M): the k blocks
+    with the largest maxima hold every top-k element
     (a block left out has k blocks whose maxima precede its best), and taking
     those blocks in ascending order keeps lax.top_k's tie order.
     """
@@ -341,33 +342,68 @@ def top_indices(values: jax.Array, k: int) -> jax.Array:
     return best_blocks[within // SELECTION_BLOCK] * SELECTION_BLOCK + within % SELECTION_BLOCK
 
 
+TIE_BLOCK = 1024
+
+
+def _row_of_nth_true(mask: jax.Array, nth) -> jax.Array:
+    """Row of the nth (≥ 1) True of mask[N]: true counts per block of TIE_BLOCK rows, then a
+    cumsum inside the one block that holds it (a full-length cumsum is ~4× slower on XLA CPU)."""
+    blocks = jnp.pad(mask, (0, -mask.shape[0] % TIE_BLOCK)).reshape(-1, TIE_BLOCK)
+    per_block = jnp.sum(blocks, axis=1, dtype=jnp.int32)
+    before = jnp.cumsum(per_block) - per_block
+    block = jnp.sum(before < nth) - 1
+    within = before[block] + jnp.cumsum(blocks[block], dtype=jnp.int32)
+    return block * TIE_BLOCK + jnp.sum(within < nth)
+
+
+def _compact_rows(mask: jax.Array, count: int) -> jax.Array:
+    """The rows of the ``count`` Trues of mask[N], ascending (jnp.nonzero(size=count), ~2× faster on XLA CPU)."""
+    slot = jax.lax.associative_scan(jnp.add, mask.astype(jnp.int32)) - 1
+    rows = jnp.arange(mask.shape[0], dtype=jnp.int32)
+    return jnp.zeros((count,), jnp.int32).at[jnp.where(mask, slot, count)].set(rows, mode="drop")
+
+
+def most_voted_rows(votes: jax.Array, count: int, most: int) -> jax.Array:
+    """Rows [count] with the most votes, ties to the lower row, in ascending row order.
+
+    votes[N] are integers in [−1, most] (−1: unused row), count ≤ N. The set is
+    the one lax.top_k(votes, count) selects, found without a sort: a histogram
+    of the vote values gives the threshold t (the largest value with at least
+    ``count`` rows voting ≥ t); every row above t and the lowest rows at t are
+    taken. On XLA CPU about 0.3× lax.top_k's time at C = 0.1·N from 64k keys on
+    (benchmarks/bench_selection.py, ``histogram``).
+    """
+    at_least = jnp.cumsum(jnp.bincount(votes + 1, length=most + 2)[::-1])[::-1]  # [i]: rows voting ≥ i − 1
+    level = jnp.sum(at_least >= count) - 1  # t + 1; at_least[0] = N ≥ count
+    above = jnp.where(level <= most, at_least[jnp.minimum(level + 1, most + 1)], 0)  # < count
+    at_t = votes == level - 1
+    last_tie = _row_of_nth_true(at_t, count - above)
+    return _compact_rows((votes >= level) | (at_t & (jnp.arange(votes.shape[0]) <= last_tie)), count)
+
+
 def _kernel_candidates(cfg, index, q_rot, count):
     """:func:`_coarse_candidates` by the vote kernel: the same rows in the same order.
 
-    The kernel lists the best keys in ascending id (ties to the lower id, as
-    lax.top_k); a stable sort by votes restores top_k's order. When fewer than
-    ``count`` keys are valid, all valid keys are taken and top_k fills slot j
-    with the invalid row j (rows n, n+1, … by lowest total −1, lowest id).
+    The kernel lists the best keys in ascending id (ties to the lower id). When
+    fewer than ``count`` keys are valid, all valid keys are taken and slot j ≥ n
+    gets the invalid row j, as :func:`most_voted_rows` takes rows n, n+1, ….
     """
     capacity = index.signs.shape[0]
     table = vote_table(cfg, q_rot, index.n, index.bucket_counts, capacity)
     found = dispatch.vote(index.signs, table, index.n, capacity=count, **cfg.kernel_options())
-    order = jnp.argsort(-jnp.where(found.mask, found.votes, -1), stable=True)
-    return jnp.where(found.mask, found.idx, jnp.arange(count))[order]
+    return jnp.where(found.mask, found.idx, jnp.arange(count))
 
 
 def _coarse_candidates(cfg, index, q_rot):
-    count = n_candidates(cfg, index.signs.shape[0])
+    capacity, b = index.signs.shape
+    count = n_candidates(cfg, capacity)
     if cfg.uses_kernels():
         return _kernel_candidates(cfg, index, q_rot, count)
-    # float32 is exact for votes (≤ 6·B) and XLA CPU's top_k is ~4× faster on it
-    # than on int32 (measured: 123 vs 452 ms, k = 100K of 1M tied vote totals).
-    votes = coarse_votes(cfg, index, q_rot).astype(jnp.float32)
-    return top_indices(votes, count)
+    return most_voted_rows(coarse_votes(cfg, index, q_rot), count, N_TIERS * b)
 
 
 def coarse_candidates(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array) -> jax.Array:
-    """Row indices [n_candidates] of the keys with the most votes (unused rows last)."""
+    """Row indices [n_candidates] of the keys with the most votes, ascending (unused rows last)."""
     return _coarse_candidates(cfg, index, _query(cfg, q)[0])
 
 
