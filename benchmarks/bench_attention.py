@@ -118,10 +118,6 @@ _plus_one = jax.jit(lambda x: x + 1.0, donate_argnums=0)
 
 # ---------------------------------------------------------------- state
 
-def _vmap2(f):
-    return jax.vmap(jax.vmap(f))
-
-
 class _NoIndex:
     """A method with no index, for regions_from_prefill: MagicPIG's is built separately, a head at a time."""
 
@@ -198,13 +194,13 @@ def bench_full_step(state, ccfg, method, mcfg, q, k, v, positions, repeats):
 def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]:
     """Stage times of _retrieval_sparse's composition and the selection they work on."""
     select_one = kvcache.method_select(method, ccfg)
-    select = jax.jit(_vmap2(lambda ix, qq: select_one(mcfg, ix, qq)))
+    select = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select_one(mcfg, ix, qq)))
     sel = jax.block_until_ready(select(state.index, qg))
     gather = jax.jit(lambda rk, rv, idx: (kvcache.gather_rows(rk, idx, ccfg), kvcache.gather_rows(rv, idx, ccfg)))
     k_rows, v_rows = jax.block_until_ready(gather(state.retr_k, state.retr_v, sel.idx))
-    correct = jax.jit(_vmap2(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s)))
+    correct = jax.jit(kvcache.over_batch_heads(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s)))
     log_weight = correct(state.index, qg, k_rows, sel)
-    attend_sel = jax.jit(_vmap2(common.attend_selection))
+    attend_sel = jax.jit(kvcache.over_batch_heads(common.attend_selection))
     sel_w = dataclasses.replace(sel, log_weight=log_weight)
     stages = {
         "select": time_calls(lambda: select(state.index, qg), repeats),
@@ -220,15 +216,16 @@ def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]
 
 def pariskv_select_stages(index, cfg, qg, repeats) -> dict:
     """ParisKV's select split: coarse votes, top-C of the votes, rerank + top-k of the candidates."""
-    cap = index.signs.shape[-2]
+    cap, n_subspaces = index.signs.shape[-2:]
 
     def votes(ix, qq):
-        return pariskv.coarse_votes(cfg, ix, pariskv.rotate(cfg, jnp.mean(qq, axis=0))).astype(jnp.float32)
+        return pariskv.coarse_votes(cfg, ix, pariskv.rotate(cfg, jnp.mean(qq, axis=0)))
 
-    votes_fn = jax.jit(_vmap2(votes))
-    top_c = jax.jit(_vmap2(lambda v: pariskv.top_indices(v, pariskv.n_candidates(cfg, cap))))
-    coarse = jax.jit(_vmap2(lambda ix, qq: pariskv.coarse_candidates(cfg, ix, qq)))
-    rerank = jax.jit(_vmap2(lambda ix, qq, c: pariskv.top_indices(
+    votes_fn = jax.jit(kvcache.over_batch_heads(votes))
+    top_c = jax.jit(kvcache.over_batch_heads(lambda v: pariskv.most_voted_rows(
+        v, pariskv.n_candidates(cfg, cap), pariskv.N_TIERS * n_subspaces)))
+    coarse = jax.jit(kvcache.over_batch_heads(lambda ix, qq: pariskv.coarse_candidates(cfg, ix, qq)))
+    rerank = jax.jit(kvcache.over_batch_heads(lambda ix, qq, c: pariskv.top_indices(
         pariskv.rerank_scores(cfg, ix, qq, c), pariskv.n_retrieved(cfg, cap))))
     vote_totals = votes_fn(index, qg)
     candidates = coarse(index, qg)
@@ -248,7 +245,7 @@ def magicpig_entries_read(cfg, index, qg) -> float:
         sizes = ix.bucket_starts[tables, codes + 1] - ix.bucket_starts[tables, codes]
         return jnp.sum(jnp.minimum(jnp.cumsum(sizes, axis=-1), cfg.candidate_entries(ix.sorted_ids.shape[-1]))
                        .max(axis=-1))
-    return float(jnp.mean(jax.jit(_vmap2(per_head))(index, qg)))
+    return float(jnp.mean(jax.jit(kvcache.over_batch_heads(per_head))(index, qg)))
 
 
 def sort_probe(cfg, cap, group, kv_heads, repeats) -> dict:
@@ -311,7 +308,7 @@ def bench_config(shape: Shape, n: int, stats, repeats: int, bandwidth: dict, key
         state, ccfg = region_state(method, mcfg, staging_k, staging_v, n, key)
         build_s = time.perf_counter() - t0
         stages, sel = sparse_stages(state, ccfg, method, mcfg, qg, repeats)
-        sel_rows = float(jnp.mean(_vmap2(lambda s: s.distinct_rows())(sel)))
+        sel_rows = float(jnp.mean(kvcache.over_batch_heads(lambda s: s.distinct_rows())(sel)))
         entries = magicpig_entries_read(mcfg, state.index, qg) if method is magicpig else 0.0
         cap = state.retr_k.shape[2]
         row = {"shape": shape.name, "N": n, "method": label, "build_s": build_s,

@@ -181,9 +181,18 @@ def scatter_rows(store, idx, rows, ccfg):
     return flat.reshape(store.shape)
 
 
-def _vmap2(f):
-    """vmap over batch and KV heads."""
-    return jax.vmap(jax.vmap(f))
+def over_batch_heads(f):
+    """vmap over batch and KV heads, as one vmap over their B·H pairs.
+
+    Every argument leads with [B, H]. One batch dimension instead of two: XLA CPU
+    compiles gathers with two batch dimensions ~2–3× slower (ParisKV's select
+    over 3 heads × 262,144 keys: 88 vs 38 ms, the same process).
+    """
+    def over_pairs(*args):
+        b, h = jax.tree.leaves(args)[0].shape[:2]
+        out = jax.vmap(f)(*jax.tree.map(lambda x: x.reshape(b * h, *x.shape[2:]), args))
+        return jax.tree.map(lambda x: x.reshape(b, h, *x.shape[1:]), out)
+    return over_pairs
 
 
 def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: CacheConfig,
@@ -207,7 +216,7 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     retr_k = k[:, :, s:s + capacity]
     retr_v = v[:, :, s:s + capacity]
     n = jnp.broadcast_to(retr_len[:, None], (b, h))
-    index = _vmap2(lambda kk, vv, nn: common.build_index(method, mcfg, kk, vv, nn, key))(retr_k, retr_v, n)
+    index = over_batch_heads(lambda kk, vv, nn: common.build_index(method, mcfg, kk, vv, nn, key))(retr_k, retr_v, n)
     index = place_index(index, method, ccfg, host=True)
     return RegionKV(
         sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
@@ -230,7 +239,7 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
     # Inserting permutes whole id lists: host-resident index fields visit the
     # device once per flush (every U steps), not once per step.
     index = place_index(state.index, method, ccfg, host=False)
-    index = _vmap2(lambda ix, kk, vv, c: common.insert_index(method, mcfg, ix, kk, vv, c))(
+    index = over_batch_heads(lambda ix, kk, vv, c: common.insert_index(method, mcfg, ix, kk, vv, c))(
         index, moved_k, moved_v, count)
     index = place_index(index, method, ccfg, host=True)
 
@@ -283,7 +292,7 @@ def _exact_partial(q, state: RegionKV):
     values = jnp.concatenate([state.sink_v, state.win_v], axis=2)
     mask = jnp.concatenate([sink_mask, win_mask], axis=1)
     mask = jnp.broadcast_to(mask[:, None], keys.shape[:3])
-    return _vmap2(common.partial_attention)(q, keys, values, mask)
+    return over_batch_heads(common.partial_attention)(q, keys, values, mask)
 
 
 def _retrieval_dense(q, state: RegionKV, ccfg):
@@ -292,7 +301,7 @@ def _retrieval_dense(q, state: RegionKV, ccfg):
     keys, values = _device(state.retr_k, ccfg), _device(state.retr_v, ccfg)
     mask = jnp.arange(cap)[None, :] < state.retr_len[:, None]
     mask = jnp.broadcast_to(mask[:, None], keys.shape[:3])
-    return _vmap2(common.partial_attention)(q, keys, values, mask), state.retr_len.astype(jnp.float32)
+    return over_batch_heads(common.partial_attention)(q, keys, values, mask), state.retr_len.astype(jnp.float32)
 
 
 def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
@@ -303,10 +312,10 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     host-offloaded rows are gathered on the host side first and attended by XLA.
     """
     select = method_select(method, ccfg)
-    sel = _vmap2(lambda ix, qq: select(mcfg, ix, qq))(state.index, q)
+    sel = over_batch_heads(lambda ix, qq: select(mcfg, ix, qq))(state.index, q)
     # Only a correction needs k_rows on the kernel path; XLA drops the gather otherwise.
     k_rows = gather_rows(state.retr_k, sel.idx, ccfg)
-    log_weight = _vmap2(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s))(
+    log_weight = over_batch_heads(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s))(
         state.index, q, k_rows, sel)
     sel = dataclasses.replace(sel, log_weight=log_weight)
     if not ccfg.offload and getattr(mcfg, "uses_kernels", lambda: False)():
@@ -315,10 +324,10 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
             return dispatch.gather_attention_heads(q, k, v, idx, mask, log_weight, **mcfg.kernel_options())
 
         o, l, m = jax.vmap(one_row)(q, state.retr_k, state.retr_v, sel.idx, sel.mask, sel.log_weight)
-        part = _vmap2(common.with_rest)(common.Partial(o=o, l=l, m=m), sel)
+        part = over_batch_heads(common.with_rest)(common.Partial(o=o, l=l, m=m), sel)
     else:
-        part = _vmap2(common.attend_selection)(q, k_rows, gather_rows(state.retr_v, sel.idx, ccfg), sel)
-    reads = jnp.mean(_vmap2(lambda s: s.distinct_rows())(sel).astype(jnp.float32), axis=1)
+        part = over_batch_heads(common.attend_selection)(q, k_rows, gather_rows(state.retr_v, sel.idx, ccfg), sel)
+    reads = jnp.mean(over_batch_heads(lambda s: s.distinct_rows())(sel).astype(jnp.float32), axis=1)
     return part, reads
 
 
@@ -346,7 +355,7 @@ def region_attention(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg:
         short,
         lambda: _retrieval_dense(qg, state, ccfg),
         lambda: _retrieval_sparse(qg, state, method=method, mcfg=mcfg, ccfg=ccfg))
-    out = _vmap2(lambda a, r: common.finalize(common.merge(a, r)))(exact, retrieval)
+    out = over_batch_heads(lambda a, r: common.finalize(common.merge(a, r)))(exact, retrieval)
     state = dataclasses.replace(
         state,
         keys_read=state.keys_read + reads + (state.sink_len + state.win_len).astype(jnp.float32),
