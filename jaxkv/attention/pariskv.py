@@ -276,7 +276,11 @@ def vote_table(cfg: ParisKVConfig, q_rot: jax.Array, n, bucket_counts: jax.Array
     caps = n * collision_ratio * jnp.asarray(TIER_FRACTIONS, jnp.float32)
     tier = jnp.sum(covered[..., None] > caps, axis=-1)  # caps passed = tiers skipped
     votes_in_order = jnp.maximum(N_TIERS - tier, 0).astype(jnp.int32)
-    return jnp.take_along_axis(votes_in_order, jnp.argsort(order, axis=-1), axis=-1)
+    # Scattered back, not gathered by the inverse order: XLA CPU fuses a gathered
+    # table into the per-key lookup and recomputes it for every key (3× the cost
+    # of the lookups at 256k keys); a scatter's result is materialised.
+    subspace = jnp.arange(order.shape[0])[:, None]
+    return jnp.zeros_like(votes_in_order).at[subspace, order].set(votes_in_order, unique_indices=True)
 
 
 def coarse_votes(cfg: ParisKVConfig, index: ParisKVIndex, q_rot: jax.Array) -> jax.Array:
