@@ -248,14 +248,6 @@ def magicpig_entries_read(cfg, index, qg) -> float:
     return float(jnp.mean(jax.jit(kvcache.over_batch_heads(per_head))(index, qg)))
 
 
-def sort_probe(cfg, cap, group, kv_heads, repeats) -> dict:
-    """Time of the sort MagicPIG's select does per query head (candidate_entries int32), for all heads."""
-    entries = cfg.candidate_entries(cap)
-    x = jax.random.randint(jax.random.key(1), (kv_heads, group, entries), 0, cap, jnp.int32)
-    sort = jax.jit(lambda a: jnp.sort(a, axis=-1))
-    return {"entries": entries, **time_calls(lambda: sort(x), repeats)}
-
-
 def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entries: float) -> dict:
     """Bytes one step must read per layer (all KV heads), by stage, f32 K/V."""
     d, h = shape.head_dim, shape.kv_heads
@@ -317,8 +309,6 @@ def bench_config(shape: Shape, n: int, stats, repeats: int, bandwidth: dict, key
                                                   else pariskv.index_bytes_per_key(mcfg, shape.head_dim)),
                "rows_gathered_per_head": sel_rows, "index_entries_read_per_head": entries,
                "bytes": step_bytes(method, mcfg, shape, n, ccfg, sel_rows, entries), "stages": stages}
-        if method is magicpig:
-            row["sort_probe"] = sort_probe(mcfg, cap, shape.group, shape.kv_heads, repeats)
         row["step"], state = bench_full_step(state, ccfg, method, mcfg, q, k, v, positions, repeats)
         del state, sel
         gc.collect()
@@ -342,10 +332,6 @@ def ms(x: float) -> str:
     return f"{x * 1e3:.1f}" if x >= 1e-3 else f"{x * 1e3:.2f}"
 
 
-def sort_text(probe) -> str:
-    return f"{ms(probe['median_s'])} ({probe['entries']:,} entries)" if probe else ""
-
-
 def markdown(rows: list[dict], skipped: list[str], bandwidth: dict, meta: dict) -> str:
     lines = [f"Command: `{meta['command']}`  ", f"jax {meta['jax']}, {meta['machine']}, "
              f"{meta['repeats']} repeats (median, [min–max]).  ",
@@ -362,21 +348,19 @@ def markdown(rows: list[dict], skipped: list[str], bandwidth: dict, meta: dict) 
     lines += ["", "Stages (each jitted alone over the same state; ms, median). "
               "rest = step − select − gather − correction − attend (append, exact sink+window partial, merge, dispatch).", "",
               "| shape | N | method | select | (coarse: votes / top-C) | (rerank) | gather | correction | attend | rest | "
-              "rows gathered/head | MagicPIG entries read/head | MagicPIG sort probe ms |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "rows gathered/head | MagicPIG entries read/head |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "stages" not in r:
             continue
         st = {k: v["median_s"] for k, v in r["stages"].items()}
         rest = r["step"]["median_s"] - sum(st.get(k, 0.0) for k in ("select", "gather", "correction", "attend"))
         coarse = f"{ms(st['coarse'])} ({ms(st['coarse.votes'])} / {ms(st['coarse.top_C'])})" if "coarse" in st else ""
-        probe = r.get("sort_probe")
         lines.append(
             f"| {r['shape']} | {r['N']:,} | {r['method']} | {ms(st['select'])} | {coarse} | "
             f"{ms(st['rerank']) if 'rerank' in st else ''} | {ms(st['gather'])} | "
             f"{ms(st['correction']) if 'correction' in st else ''} | {ms(st['attend'])} | {ms(rest)} | "
-            f"{r['rows_gathered_per_head']:.0f} | {r['index_entries_read_per_head']:.0f} | "
-            f"{sort_text(probe)} |")
+            f"{r['rows_gathered_per_head']:.0f} | {r['index_entries_read_per_head']:.0f} |")
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped)]
     return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""Partial attention, log-sum-exp merge and finalize (jaxkv.attention.common) against float64 numpy."""
+"""jaxkv.attention.common: partial attention, log-sum-exp merge and finalize against float64 numpy; the row compaction helpers against numpy."""
 import numpy as np
 import jax.numpy as jnp
 import pytest
@@ -73,3 +73,35 @@ def test_distinct_rows_counts_the_union_over_heads():
     mask = jnp.array([[True, False, False, True], [True, True, False, False]])
     sel = common.Selection(idx=jnp.arange(4), mask=mask)
     assert int(sel.distinct_rows()) == 3
+
+
+def _mask(seed, n, density):
+    return np.random.default_rng(seed).random(n) < density
+
+
+@pytest.mark.parametrize("n, density, nth", [
+    (5_000, 0.3, 1), (5_000, 0.3, 700), (5_000, 0.02, 60),
+    (3 * common.TIE_BLOCK, 1.0, common.TIE_BLOCK),      # the last row of a full block
+    (3 * common.TIE_BLOCK, 1.0, common.TIE_BLOCK + 1),  # the first row of the next
+    (300, 0.5, 100),                                    # less than one block
+])
+def test_row_of_nth_true_is_numpys(n, density, nth):
+    mask = _mask(n + nth, n, density)
+    assert int(common.row_of_nth_true(jnp.asarray(mask), nth)) == int(np.flatnonzero(mask)[nth - 1])
+
+
+def test_row_of_nth_true_past_the_last_true_is_past_the_end():
+    mask = _mask(1, 2_500, 0.1)
+    assert int(common.row_of_nth_true(jnp.asarray(mask), int(mask.sum()) + 1)) >= mask.size
+
+
+@pytest.mark.parametrize("n, density, size, fill", [
+    (5_000, 0.3, 1_500, 0),    # exactly or about as many Trues as slots
+    (5_000, 0.3, 200, 0),      # more Trues than slots: the first ones
+    (5_000, 0.01, 200, 5_000),  # fewer: the rest is fill
+    (7, 0.0, 3, -1),           # none
+])
+def test_compact_rows_is_nonzero_with_size_and_fill(n, density, size, fill):
+    mask = _mask(n + size, n, density)
+    want = np.asarray(jnp.nonzero(jnp.asarray(mask), size=size, fill_value=fill)[0])
+    np.testing.assert_array_equal(common.compact_rows(jnp.asarray(mask), size, fill), want)

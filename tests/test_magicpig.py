@@ -153,11 +153,19 @@ def test_candidate_overflow_reads_fewer_tables_and_corrects_with_them():
     assert np.all(got[~mask] == 0.0)
 
 
-def test_selection_capacity_overflow_is_flagged():
-    cfg = dataclasses.replace(SMALL, capacity=2)
+@pytest.mark.parametrize("capacity", [2, 7])
+def test_selection_capacity_overflow_is_flagged_and_drops_the_highest_ids(capacity):
+    cfg = dataclasses.replace(SMALL, capacity=capacity)
     q, keys, _ = offset_keys(0, 280)
-    sel, stats = mp.select_with_stats(cfg, mp.build(cfg, keys, 280, LAYER_KEY), q)
-    assert bool(stats.truncated) and sel.idx.shape == (2,)
+    index = mp.build(cfg, keys, 280, LAYER_KEY)
+    sel, stats = mp.select_with_stats(cfg, index, q)
+    assert bool(stats.truncated) and sel.idx.shape == (capacity,)
+    # The slots hold the `capacity` lowest ids of the heads' union; each head samples its own among them.
+    full = brute_force_sets(cfg, index, q, keys, 280, stats.tables_used)
+    assert np.asarray(stats.n_sampled).tolist() == [len(s) for s in full]
+    union = sorted(set().union(*full))[:capacity]
+    assert np.asarray(sel.idx).tolist() == union
+    assert sampled_sets(sel) == [s & set(union) for s in full]
     assert not bool(mp.select_with_stats(SMALL, mp.build(SMALL, keys, 280, LAYER_KEY), q)[1].truncated)
 
 

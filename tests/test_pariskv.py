@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.attention import pariskv, rsq
+from jaxkv.attention import common, pariskv, rsq
 from jaxkv.attention.pariskv import ParisKVConfig
 
 # Jitted once per (config, shape): op-by-op dispatch compiles every primitive and is
@@ -322,6 +322,6 @@ def test_most_voted_rows_is_lax_top_k_set_in_ascending_order(n_valid, count, top
 
 def test_most_voted_rows_when_the_ties_end_at_a_block_boundary():
     # One row above the threshold, after the boundary; the ties fill exactly the first block.
-    votes = jnp.zeros(3 * pariskv.TIE_BLOCK, jnp.int32).at[2_000].set(5)
-    rows = pariskv.most_voted_rows(votes, pariskv.TIE_BLOCK + 1, 48)
-    np.testing.assert_array_equal(rows, np.r_[np.arange(pariskv.TIE_BLOCK), 2_000])
+    votes = jnp.zeros(3 * common.TIE_BLOCK, jnp.int32).at[2_000].set(5)
+    rows = pariskv.most_voted_rows(votes, common.TIE_BLOCK + 1, 48)
+    np.testing.assert_array_equal(rows, np.r_[np.arange(common.TIE_BLOCK), 2_000])

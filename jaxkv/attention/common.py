@@ -134,6 +134,35 @@ def attend_selection(q, k_rows, v_rows, selection: Selection) -> Partial:
     return with_rest(partial_attention(q, k_rows, v_rows, selection.mask, selection.log_weight), selection)
 
 
+# Rows per block when finding the nth True: a full-length cumsum is ~4× slower on XLA CPU.
+TIE_BLOCK = 1024
+
+
+def row_of_nth_true(mask: jax.Array, nth) -> jax.Array:
+    """Row of the nth (≥ 1) True of mask[N]; ≥ N when mask has fewer Trues.
+
+    True counts per block of TIE_BLOCK rows, then a cumsum inside the one block
+    that holds it.
+    """
+    blocks = jnp.pad(mask, (0, -mask.shape[0] % TIE_BLOCK)).reshape(-1, TIE_BLOCK)
+    per_block = jnp.sum(blocks, axis=1, dtype=jnp.int32)
+    before = jnp.cumsum(per_block) - per_block
+    block = jnp.sum(before < nth) - 1
+    within = before[block] + jnp.cumsum(blocks[block], dtype=jnp.int32)
+    return block * TIE_BLOCK + jnp.sum(within < nth)
+
+
+def compact_rows(mask: jax.Array, size: int, fill: int = 0) -> jax.Array:
+    """Rows of the first ``size`` Trues of mask[N], ascending, int32 [size]; slots past them ``fill``.
+
+    ``jnp.nonzero(mask, size=size, fill_value=fill)`` by an associative-scan
+    cumsum and a scatter, ~2× faster on XLA CPU.
+    """
+    slot = jax.lax.associative_scan(jnp.add, mask.astype(jnp.int32)) - 1
+    rows = jnp.arange(mask.shape[0], dtype=jnp.int32)
+    return jnp.full((size,), fill, jnp.int32).at[jnp.where(mask, slot, size)].set(rows, mode="drop")
+
+
 def check_non_negative(cfg, *names: str) -> None:
     """Raise ValueError naming the config field when any of ``names`` is negative (region sizes)."""
     for name in names:

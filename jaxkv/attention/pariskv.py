@@ -346,27 +346,6 @@ def top_indices(values: jax.Array, k: int) -> jax.Array:
     return best_blocks[within // SELECTION_BLOCK] * SELECTION_BLOCK + within % SELECTION_BLOCK
 
 
-TIE_BLOCK = 1024
-
-
-def _row_of_nth_true(mask: jax.Array, nth) -> jax.Array:
-    """Row of the nth (≥ 1) True of mask[N]: true counts per block of TIE_BLOCK rows, then a
-    cumsum inside the one block that holds it (a full-length cumsum is ~4× slower on XLA CPU)."""
-    blocks = jnp.pad(mask, (0, -mask.shape[0] % TIE_BLOCK)).reshape(-1, TIE_BLOCK)
-    per_block = jnp.sum(blocks, axis=1, dtype=jnp.int32)
-    before = jnp.cumsum(per_block) - per_block
-    block = jnp.sum(before < nth) - 1
-    within = before[block] + jnp.cumsum(blocks[block], dtype=jnp.int32)
-    return block * TIE_BLOCK + jnp.sum(within < nth)
-
-
-def _compact_rows(mask: jax.Array, count: int) -> jax.Array:
-    """The rows of the ``count`` Trues of mask[N], ascending (jnp.nonzero(size=count), ~2× faster on XLA CPU)."""
-    slot = jax.lax.associative_scan(jnp.add, mask.astype(jnp.int32)) - 1
-    rows = jnp.arange(mask.shape[0], dtype=jnp.int32)
-    return jnp.zeros((count,), jnp.int32).at[jnp.where(mask, slot, count)].set(rows, mode="drop")
-
-
 def most_voted_rows(votes: jax.Array, count: int, most: int) -> jax.Array:
     """Rows [count] with the most votes, ties to the lower row, in ascending row order.
 
@@ -381,8 +360,8 @@ def most_voted_rows(votes: jax.Array, count: int, most: int) -> jax.Array:
     level = jnp.sum(at_least >= count) - 1  # t + 1; at_least[0] = N ≥ count
     above = jnp.where(level <= most, at_least[jnp.minimum(level + 1, most + 1)], 0)  # < count
     at_t = votes == level - 1
-    last_tie = _row_of_nth_true(at_t, count - above)
-    return _compact_rows((votes >= level) | (at_t & (jnp.arange(votes.shape[0]) <= last_tie)), count)
+    last_tie = common.row_of_nth_true(at_t, count - above)
+    return common.compact_rows((votes >= level) | (at_t & (jnp.arange(votes.shape[0]) <= last_tie)), count)
 
 
 def _kernel_candidates(cfg, index, q_rot, count):
