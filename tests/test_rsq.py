@@ -163,6 +163,24 @@ def test_estimate_is_exact_up_to_weight_rounding_when_query_subspaces_are_parall
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m, p", [(8, 64), (8, 128), (2, 32), (4, 64)])
+def test_estimate_is_the_float64_sum_over_the_coded_coordinates(m, p):
+    # ‖q‖·Σ_p sign_p·centre[cell_p]·w_(p // m)·q_p, sign and cell taken from the key itself.
+    n = 300
+    thresholds, centres = rsq.lloyd_max_levels(m)
+    y = _unit_rows(jax.random.key(11), n, p)
+    q = _unit_rows(jax.random.key(12), 1, p)[0]
+    codes = _encode(y, 1.0 + jnp.arange(n) / n, m, thresholds, centres)
+    u = np.asarray(y, np.float64).reshape(n, -1, m)
+    u = (u / np.linalg.norm(u, axis=-1, keepdims=True)).reshape(n, p)
+    v = np.where(u >= 0, 1.0, -1.0) * np.asarray(centres, np.float64)[np.searchsorted(thresholds, np.abs(u), side="right")]
+    weights = np.repeat(np.asarray(rsq.subspace_weights(codes, p // m), np.float64), m, axis=1)
+    want = 1.7 * np.sum(v * weights * np.asarray(q, np.float64), axis=1)
+    got = np.asarray(_estimate(codes, q, 1.7, m, centres), np.float64)
+    # float32 sums of p terms, each ≤ max weight: a few ulps of the largest term.
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * p * np.max(np.abs(weights)))
+
+
 def test_zero_subspace_gets_zero_weight_not_nan():
     thresholds, centres = rsq.lloyd_max_levels(8)
     y = jnp.zeros((1, 16)).at[0, 3].set(1.0)  # second subspace all zero
