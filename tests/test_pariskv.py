@@ -125,6 +125,27 @@ def test_vote_table_is_the_lut_of_coarse_votes():
     np.testing.assert_array_equal(by_lookup, coarse_votes(CFG, index, q))
 
 
+def test_vote_table_ranks_tied_patterns_by_the_lower_pattern():
+    # Integer query coordinates make many pattern scores exactly equal (all ones: the
+    # score is a popcount), so the order among ties decides which buckets fill a tier.
+    m, n_sub, n = 8, 4, 5_000
+    q_rot = jnp.asarray(np.r_[np.ones(8), np.arange(8) % 3, -np.ones(8), np.zeros(8)], jnp.float32)
+    counts = jnp.asarray(np.random.default_rng(0).integers(0, 40, (n_sub, 2**m)), jnp.int32)
+    cfg = dataclasses.replace(CFG, collision_ratio=0.2)
+    got = np.asarray(vote_table(cfg, q_rot, jnp.int32(n), counts, CAP))
+    caps = [np.float32(n) * np.float32(0.2) * np.float32(f) for f in pariskv.TIER_FRACTIONS]
+    for b in range(n_sub):
+        qb = np.asarray(q_rot[b * m:(b + 1) * m], np.float64)
+        score = [sum(qb[j] if p >> j & 1 else -qb[j] for j in range(m)) for p in range(2**m)]
+        assert len(set(score)) < 2**m / 4  # ties are the point
+        covered, tier = 0, 0
+        for p in sorted(range(2**m), key=lambda p: (-score[p], p)):
+            covered += int(counts[b, p])
+            while tier < 6 and covered > caps[tier]:
+                tier += 1
+            assert got[b, p] == (6 - tier if tier < 6 else 0), (b, p)
+
+
 # ---------------------------------------------------------------- end to end
 
 def _dense(q, k, v):
