@@ -253,8 +253,8 @@ def _log_binomial_terms(n_terms, n_tables, log_hit, log_miss):
     into one loop instead of materialising [..., n_terms] twice (3× faster).
     """
     i = jnp.arange(n_terms, dtype=jnp.float32)
-    l = n_tables[..., None]
-    step = jnp.where(i < l, jnp.log(jnp.maximum(l - i, 1.0)) - jnp.log1p(i), -jnp.inf)
+    tables = n_tables[..., None]
+    step = jnp.where(i < tables, jnp.log(jnp.maximum(tables - i, 1.0)) - jnp.log1p(i), -jnp.inf)
     log_choose = jnp.concatenate([jnp.zeros_like(step[..., :1]), jnp.cumsum(step[..., :-1], axis=-1)], axis=-1)
     return [log_choose[..., j] + (j * log_hit if j else 0.0)  # 0·log 0 = 0
             + jnp.where(n_tables > j, (n_tables - j) * log_miss, 0.0) for j in range(n_terms)]

@@ -279,7 +279,7 @@ def vote_table(cfg: ParisKVConfig, q_rot: jax.Array, n, bucket_counts: jax.Array
     patterns = jnp.arange(pattern_scores.shape[-1])
     score_p, score_q = pattern_scores[:, :, None], pattern_scores[:, None, :]
     at_or_before = (score_q > score_p) | ((score_q == score_p) & (patterns[None, :] <= patterns[:, None]))
-    covered = jnp.einsum("bpq,bq->bp", at_or_before.astype(jnp.int32), bucket_counts.astype(jnp.int32),
+    covered = jnp.einsum("bpq,bq->bp", at_or_before.astype(jnp.int32), bucket_counts,
                          preferred_element_type=jnp.int32)
     caps = n * collision_ratio * jnp.asarray(TIER_FRACTIONS, jnp.float32)
     tier = jnp.sum(covered[..., None] > caps, axis=-1)  # caps passed = tiers skipped
