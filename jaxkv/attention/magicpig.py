@@ -367,14 +367,18 @@ def _merge_table(sorted_ids, starts, new_codes, n):
     cap, n_buckets = sorted_ids.shape[0], starts.shape[0] - 1
     new_codes, new_rows, new_before = _sort_table(new_codes, n_buckets)
     slot = jnp.arange(cap)
-    old_bucket = jnp.clip(jnp.searchsorted(starts, slot, side="right") - 1, 0, n_buckets - 1)
-    old_target = jnp.where(slot < n, slot + new_before[old_bucket], cap)
     live = new_codes < n_buckets
+    # New key j lands after the old entries of its bucket and the new keys before it.
     new_target = jnp.where(
         live, jnp.arange(new_codes.shape[0]) + starts[jnp.minimum(new_codes + 1, n_buckets)], cap)
-    merged = (jnp.zeros_like(sorted_ids)
-              .at[old_target].set(sorted_ids, mode="drop")
-              .at[new_target].set(n + new_rows, mode="drop"))
+    # Gathered, not scattered (XLA CPU scatters ~2x slower): slot t holds the
+    # next new key where one lands, else the old entry shifted right by the
+    # new keys landed at or before t.
+    is_new = jnp.zeros(cap, bool).at[new_target].set(True, mode="drop")
+    new_upto = jnp.cumsum(is_new.astype(jnp.int32))
+    old_entry = sorted_ids[jnp.maximum(slot - new_upto, 0)]
+    merged = jnp.where(is_new, n + new_rows[jnp.maximum(new_upto - 1, 0)],
+                       jnp.where(slot < n + jnp.sum(live), old_entry, 0))
     return merged, starts + new_before
 
 
