@@ -5,29 +5,31 @@
                                          [--out results/bench_attention]
     jaxkv bench [same flags]
 
-What is timed (jitted, compiled before timing): each step or stage runs
-``--loop-steps`` times, then twice as many, inside one jitted ``fori_loop``
-(as generate()'s decode loop runs a step), and a repeat's time per step is
-the difference over the extra iterations; median and [min–max] over
-``--repeats``. Timing separate calls instead charged each step what the loop
-pays once: dispatch and the kernel's page faults on freshly allocated
-temporaries (MagicPIG at 8k: 12.5 ms per call, 3.8 ms per step in the loop).
-Each iteration's input depends on the previous iteration's output, so XLA can
-neither hoist the work out of the loop nor drop it.
+What is timed (jitted, compiled before timing): a step runs ``--loop-steps``
+times, then twice as many, inside one jitted ``fori_loop`` (as generate()'s
+decode loop runs it), and a repeat's time per step is the difference over the
+extra iterations; median and [min–max] over ``--repeats``. Timing separate
+calls instead charged each step what the loop pays once: dispatch and the
+kernel's page faults on freshly allocated temporaries (MagicPIG at 8k: 12.5 ms
+per call, 3.8 ms per step in the loop). Each iteration's input depends on the
+previous iteration's output, so XLA can neither hoist the work out of the loop
+nor drop it.
 
 - dense: ``models.dense_causal_attention`` over N head-major keys on the
   device, f32 — what a dense layer of generate() runs; every ratio is to it.
 - sparse: ``jaxkv.cache.region_attention`` with ``dense_threshold=0`` on a
   RegionKV from ``jaxkv.cache.regions_from_prefill`` (retrieval K/V in
-  pinned_host memory), the state threaded through the loop and the position
-  advanced as generate() does: append, the method's select, the host gather,
-  the correction, attention over the selection, the exact sink + window
-  partial and the merge. A flush falls in the loop whenever the window fills
-  (every U steps, as in generate()); the median over repeats leaves it out.
-- stages of the same step, each looped alone over the same state: select
-  (ParisKV: coarse votes, coarse top-C, rerank + top-k), host gather of K and
-  V, the correction (MagicPIG), attention over the gathered rows. "rest" =
-  step − stages (append, exact partial, merge).
+  pinned_host memory), the state threaded through the loop as generate()
+  does: append, the method's select, the host gather, the correction,
+  attention over the selection, the exact sink + window partial and the merge.
+- flush: the move of U window rows into retrieval and the index, timed alone
+  in the same way (the lengths put back each iteration). generate() runs it
+  once every U steps; the step loop keeps the window from filling, and the
+  ratios use step + flush / U.
+- stages of the same step, each a separate jitted call over the same state:
+  select (ParisKV: coarse votes, coarse top-C, rerank + top-k), host gather of
+  K and V, the correction (MagicPIG), attention over the gathered rows. They
+  show where the time goes, not parts that sum to the looped step.
 
 Keys: synthetic, fitted to SmolLM2's real keys (benchmarks/synthetic_keys.py).
 Bytes per step are what each stage must read (its floor), and the bandwidth
@@ -261,55 +263,53 @@ def bench_flush(state, ccfg, method, mcfg, timing: Timing):
     return time_in_loop(body, state, (jnp.copy(state.retr_len), jnp.copy(state.index.n)), timing, donate=True)
 
 
-def sparse_stages(state, ccfg, method, mcfg, qg, timing: Timing) -> tuple[dict, object]:
-    """Stage times of _retrieval_sparse's composition and the selection they work on."""
+def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]:
+    """Stage times of _retrieval_sparse's composition (separate calls) and the selection they work on.
+
+    Timed per call, not in a loop: looped alone, stages ran slower than inside
+    the looped step (ParisKV's votes at 64k: 5.8 ms, the whole step 6.3 ms).
+    """
     select_one = kvcache.method_select(method, ccfg)
-    select = kvcache.over_batch_heads(lambda ix, qq: select_one(mcfg, ix, qq))
-    sel = jax.block_until_ready(jax.jit(select)(state.index, qg))
-
-    def gather(rk, rv, idx):
-        return kvcache.gather_rows(rk, idx, ccfg), kvcache.gather_rows(rv, idx, ccfg)
-
-    k_rows, v_rows = jax.block_until_ready(jax.jit(gather)(state.retr_k, state.retr_v, sel.idx))
-    correct = kvcache.over_batch_heads(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s))
-    log_weight = jax.jit(correct)(state.index, qg, k_rows, sel)
-    attend_sel = kvcache.over_batch_heads(common.attend_selection)
+    select = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select_one(mcfg, ix, qq)))
+    sel = jax.block_until_ready(select(state.index, qg))
+    gather = jax.jit(lambda rk, rv, idx: (kvcache.gather_rows(rk, idx, ccfg), kvcache.gather_rows(rv, idx, ccfg)))
+    k_rows, v_rows = jax.block_until_ready(gather(state.retr_k, state.retr_v, sel.idx))
+    correct = jax.jit(kvcache.over_batch_heads(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s)))
+    log_weight = correct(state.index, qg, k_rows, sel)
+    attend_sel = jax.jit(kvcache.over_batch_heads(common.attend_selection))
     sel_w = dataclasses.replace(sel, log_weight=log_weight)
     stages = {
-        "select": time_stage(lambda dep, ix, qq: select(ix, qq + dep), (state.index, qg), timing),
-        "gather": time_stage(lambda dep, rk, rv, idx: gather(rk, rv, idx + dep.astype(idx.dtype)),
-                             (state.retr_k, state.retr_v, sel.idx), timing),
-        "attend": time_stage(lambda dep, qq, kr, vr, s: attend_sel(qq + dep, kr, vr, s),
-                             (qg, k_rows, v_rows, sel_w), timing),
+        "select": time_calls(lambda: select(state.index, qg), repeats),
+        "gather": time_calls(lambda: gather(state.retr_k, state.retr_v, sel.idx), repeats),
+        "attend": time_calls(lambda: attend_sel(qg, k_rows, v_rows, sel_w), repeats),
     }
     if log_weight is not None:
-        stages["correction"] = time_stage(lambda dep, ix, qq, kr, s: correct(ix, qq + dep, kr, s),
-                                          (state.index, qg, k_rows, sel), timing)
+        stages["correction"] = time_calls(lambda: correct(state.index, qg, k_rows, sel), repeats)
     if method is pariskv:
-        stages.update(pariskv_select_stages(state.index, mcfg, qg, timing))
+        stages.update(pariskv_select_stages(state.index, mcfg, qg, repeats))
     return stages, sel
 
 
-def pariskv_select_stages(index, cfg, qg, timing: Timing) -> dict:
+def pariskv_select_stages(index, cfg, qg, repeats) -> dict:
     """ParisKV's select split: coarse votes, top-C of the votes, rerank + top-k of the candidates."""
     cap, n_subspaces = index.signs.shape[-2:]
 
     def votes(ix, qq):
         return pariskv.coarse_votes(cfg, ix, pariskv.rotate(cfg, jnp.mean(qq, axis=0)))
 
-    votes_fn = kvcache.over_batch_heads(votes)
-    top_c = kvcache.over_batch_heads(lambda v: pariskv.most_voted_rows(
-        v, pariskv.n_candidates(cfg, cap), pariskv.N_TIERS * n_subspaces))
-    coarse = kvcache.over_batch_heads(lambda ix, qq: pariskv.coarse_candidates(cfg, ix, qq))
-    rerank = kvcache.over_batch_heads(lambda ix, qq, c: pariskv.top_indices(
-        pariskv.rerank_scores(cfg, ix, qq, c), pariskv.n_retrieved(cfg, cap)))
-    vote_totals = jax.jit(votes_fn)(index, qg)
-    candidates = jax.jit(coarse)(index, qg)
+    votes_fn = jax.jit(kvcache.over_batch_heads(votes))
+    top_c = jax.jit(kvcache.over_batch_heads(lambda v: pariskv.most_voted_rows(
+        v, pariskv.n_candidates(cfg, cap), pariskv.N_TIERS * n_subspaces)))
+    coarse = jax.jit(kvcache.over_batch_heads(lambda ix, qq: pariskv.coarse_candidates(cfg, ix, qq)))
+    rerank = jax.jit(kvcache.over_batch_heads(lambda ix, qq, c: pariskv.top_indices(
+        pariskv.rerank_scores(cfg, ix, qq, c), pariskv.n_retrieved(cfg, cap))))
+    vote_totals = votes_fn(index, qg)
+    candidates = coarse(index, qg)
     return {
-        "coarse": time_stage(lambda dep, ix, qq: coarse(ix, qq + dep), (index, qg), timing),
-        "coarse.votes": time_stage(lambda dep, ix, qq: votes_fn(ix, qq + dep), (index, qg), timing),
-        "coarse.top_C": time_stage(lambda dep, v: top_c(v + dep.astype(v.dtype)), (vote_totals,), timing),
-        "rerank": time_stage(lambda dep, ix, qq, c: rerank(ix, qq + dep, c), (index, qg, candidates), timing),
+        "coarse": time_calls(lambda: coarse(index, qg), repeats),
+        "coarse.votes": time_calls(lambda: votes_fn(index, qg), repeats),
+        "coarse.top_C": time_calls(lambda: top_c(vote_totals), repeats),
+        "rerank": time_calls(lambda: rerank(index, qg, candidates), repeats),
     }
 
 
@@ -375,7 +375,7 @@ def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, k
         t0 = time.perf_counter()
         state, ccfg = region_state(method, mcfg, staging_k, staging_v, n, key)
         build_s = time.perf_counter() - t0
-        stages, sel = sparse_stages(state, ccfg, method, mcfg, qg, timing)
+        stages, sel = sparse_stages(state, ccfg, method, mcfg, qg, timing.repeats)
         sel_rows = float(jnp.mean(kvcache.over_batch_heads(lambda s: s.distinct_rows())(sel)))
         entries = magicpig_entries_read(mcfg, state.index, qg) if method is magicpig else 0.0
         cap = state.retr_k.shape[2]
@@ -430,21 +430,20 @@ def markdown(rows: list[dict], skipped: list[str], bandwidth: dict, meta: dict) 
             f"| {r['shape']} | {r['N']:,} | {r['method']} | {ms(s['median_s'])} [{ms(s['min_s'])}–{ms(s['max_s'])}] | "
             f"{flush} | {ms(r['step_with_flush_s'])} | {r['ratio_to_dense']:.3f} | {r['bytes_total'] / 1e6:.1f} | {r['achieved_Bps'] / 1e9:.2f} | "
             f"{r['x_floor']:.1f} | {r['index_B_per_token_head']:.0f} | {r['kv_bf16_B_per_token_head']} |")
-    lines += ["", "Stages (each looped alone over the same state; ms, median). "
-              "rest = step − select − gather − correction − attend (append, exact sink+window partial, merge).", "",
-              "| shape | N | method | select | (coarse: votes / top-C) | (rerank) | gather | correction | attend | rest | "
+    lines += ["", "Stages (each jitted alone over the same state, separate calls: a call pays what the "
+              "loop pays once, so they are not parts of the step above; ms, median).", "",
+              "| shape | N | method | select | (coarse: votes / top-C) | (rerank) | gather | correction | attend | "
               "rows gathered/head | MagicPIG entries read/head |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "stages" not in r:
             continue
         st = {k: v["median_s"] for k, v in r["stages"].items()}
-        rest = r["step"]["median_s"] - sum(st.get(k, 0.0) for k in ("select", "gather", "correction", "attend"))
         coarse = f"{ms(st['coarse'])} ({ms(st['coarse.votes'])} / {ms(st['coarse.top_C'])})" if "coarse" in st else ""
         lines.append(
             f"| {r['shape']} | {r['N']:,} | {r['method']} | {ms(st['select'])} | {coarse} | "
             f"{ms(st['rerank']) if 'rerank' in st else ''} | {ms(st['gather'])} | "
-            f"{ms(st['correction']) if 'correction' in st else ''} | {ms(st['attend'])} | {ms(rest)} | "
+            f"{ms(st['correction']) if 'correction' in st else ''} | {ms(st['attend'])} | "
             f"{r['rows_gathered_per_head']:.0f} | {r['index_entries_read_per_head']:.0f} |")
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped)]
