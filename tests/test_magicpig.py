@@ -59,7 +59,8 @@ def brute_force_sets(cfg, index, q, keys, n, tables):
 COSINES = np.array([-1.0, -0.999, -0.9, -0.5, -0.1, 0.0, 0.2, 0.5, 0.8, 0.95, 0.9999, 1.0], np.float32)
 
 
-@pytest.mark.parametrize("K, L, m", [(10, 150, 2), (3, 8, 2), (16, 2, 2), (10, 170, 1), (11, 300, 3), (4, 60, 40)])
+@pytest.mark.parametrize("K, L, m", [(10, 150, 2), (3, 8, 2), (16, 2, 2), (10, 170, 1), (11, 300, 3), (4, 60, 40),
+                                     (2, 12, 10), (10, 33, 2)])
 def test_collision_log_prob_matches_float64_binomial_tail(K, L, m):
     got = np.asarray(mp.collision_log_prob(jnp.asarray(COSINES), K, L, m), np.float64)
     want = np.array([log_u_f64(float(c), K, L, m) for c in COSINES])

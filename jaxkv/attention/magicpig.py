@@ -273,25 +273,32 @@ def collision_log_prob(cos_theta: jax.Array, K: int, L, min_hits: int = 2) -> ja
 
     p = 1 − arccos(clamp(cos θ))/π per bit, P = p^K per table, hits ~ Binomial(L, P).
     L may be an array broadcasting with cos_theta (tables actually read).
-    Two exact-in-log-space evaluations, each used where it is accurate:
-    the upper tail Σ_{j ≥ min_hits} summed term by term (no cancellation; used
-    when the terms shrink by at least half each step, so 32 terms suffice, or
-    when 32 terms are the whole tail), else log(1 − lower tail), accurate
-    there because u is not small.
+    Two exact evaluations, each used where it is accurate: the upper tail
+    Σ_{j ≥ min_hits} as its first term (in log space) times a sum of running
+    ratios T_{j+1}/T_j = (L − j)/(j + 1) · P/(1 − P) (no cancellation; used when
+    the ratios are at most 1/2, so its 32 terms leave out < 2^−31 of it), else
+    log(1 − lower tail), accurate there because u is not small (the ratio
+    above 1/2 puts the binomial's mean at ≥ (min_hits + 1)/2 hits).
     """
     c = jnp.clip(jnp.asarray(cos_theta, jnp.float32), -1.0, 1.0)
     log_p = jnp.log1p(-jnp.arccos(c) / jnp.pi)
     log_hit = K * log_p  # log P
     log_miss = _log1mexp(log_hit)  # log(1 − P)
     n_tables = jnp.asarray(L, jnp.float32)  # not broadcast: log C(L, j) is computed per distinct L
-    terms = _log_binomial_terms(min_hits + TAIL_TERMS, n_tables, log_hit, log_miss)
-    tail = _log_sum_exp(terms[min_hits:])
+    terms = _log_binomial_terms(min_hits + 1, n_tables, log_hit, log_miss)
     complement = _log1mexp(jnp.minimum(_log_sum_exp(terms[:min_hits]), 0.0))
-    # Ratio of consecutive tail terms is at most (L − m)·P / ((m + 1)(1 − P)).
-    log_ratio = jnp.log(jnp.maximum(n_tables - min_hits, 0.0)) + log_hit - math.log(min_hits + 1) - log_miss
-    use_tail = (log_ratio <= -math.log(2.0)) | (n_tables - min_hits + 1 <= TAIL_TERMS)
+    # Ratios in linear space: one exp per key, not one per term. The odds
+    # P/(1 − P) are capped at min_hits + 1 (P = 1 makes them infinite): past the
+    # cap the first ratio is ≥ 1 wherever L > min_hits, so the tail is not used.
+    odds = jnp.exp(jnp.minimum(log_hit - log_miss, math.log(min_hits + 1)))
+    ratio, total = jnp.ones_like(odds), jnp.ones_like(odds)
+    for j in range(min_hits, min_hits + TAIL_TERMS - 1):
+        ratio = ratio * (jnp.maximum(n_tables - j, 0.0) / (j + 1)) * odds
+        total = total + ratio
+    tail = terms[min_hits] + jnp.log(total)
+    first_ratio = jnp.maximum(n_tables - min_hits, 0.0) / (min_hits + 1) * odds
     # A probability: float32 rounding can leave log u a hair above 0 at cos θ = 1.
-    return jnp.minimum(jnp.where(use_tail, tail, complement), 0.0)
+    return jnp.minimum(jnp.where(first_ratio <= 0.5, tail, complement), 0.0)
 
 
 def _retrieval_mean(keys: jax.Array, n: jax.Array) -> jax.Array:
