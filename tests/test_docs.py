@@ -211,7 +211,7 @@ SIZE_OVERRIDES = {
     ),
     "bench": (
         Override("--sizes", "4096", "one context length, below --quick's 8k and 16k"),
-        Override("--repeats", "1", "one timed call per stage: the numbers are not kept"),
+        Override("--repeats", "1", "one timed repeat per step and stage: the numbers are not kept"),
         _OUT,
     ),
 }
