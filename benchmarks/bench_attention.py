@@ -252,7 +252,12 @@ def bench_full_step(state, ccfg, method, mcfg, q, k, v, positions, timing: Timin
 
 
 def bench_flush(state, ccfg, method, mcfg, timing: Timing):
-    """Time of one flush (U window rows into retrieval and the index), the lengths put back each time."""
+    """Time of one flush (U window rows into retrieval and the index), the lengths put back each time.
+
+    Only the work is measured: the index's contents drift from one iteration
+    to the next (the same rows are inserted again), and the state returned is
+    for discarding.
+    """
     full = jnp.full_like(state.win_len, ccfg.local + ccfg.buffer)
 
     def body(i, state, retr_len, n):
