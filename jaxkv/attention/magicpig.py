@@ -291,12 +291,12 @@ def collision_log_prob(cos_theta: jax.Array, K: int, L, min_hits: int = 2) -> ja
     # P/(1 − P) are capped at min_hits + 1 (P = 1 makes them infinite): past the
     # cap the first ratio is ≥ 1 wherever L > min_hits, so the tail is not used.
     odds = jnp.exp(jnp.minimum(log_hit - log_miss, math.log(min_hits + 1)))
-    ratio, total = jnp.ones_like(odds), jnp.ones_like(odds)
-    for j in range(min_hits, min_hits + TAIL_TERMS - 1):
+    first_ratio = jnp.maximum(n_tables - min_hits, 0.0) / (min_hits + 1) * odds
+    ratio, total = first_ratio, 1.0 + first_ratio
+    for j in range(min_hits + 1, min_hits + TAIL_TERMS - 1):
         ratio = ratio * (jnp.maximum(n_tables - j, 0.0) / (j + 1)) * odds
         total = total + ratio
     tail = terms[min_hits] + jnp.log(total)
-    first_ratio = jnp.maximum(n_tables - min_hits, 0.0) / (min_hits + 1) * odds
     # A probability: float32 rounding can leave log u a hair above 0 at cos θ = 1.
     return jnp.minimum(jnp.where(first_ratio <= 0.5, tail, complement), 0.0)
 
