@@ -1,4 +1,4 @@
-"""ParisKV's coarse top-C on this backend: lax.top_k against selections by vote histogram, one run.
+"""ParisKV's coarse top-C on this backend: lax.top_k against selections by vote threshold, one run.
 
     python benchmarks/bench_selection.py [--sizes 65536 262144] [--repeats 5]
                                          [--out results/bench_selection]
@@ -12,10 +12,12 @@ as the decode step runs them) over real ParisKV votes of keys synthesised from
 SmolLM2's statistics (benchmarks/synthetic_keys.py):
 
 - ``lax_top_k``: ``pariskv.top_indices`` on float32 votes (the code until 2026-11-30);
-- ``histogram``: ``pariskv.most_voted_rows`` — t from a ``bincount`` of the vote
-  values, the last tie found block by block, compaction by one associative-scan
-  cumsum and a scatter (what the code runs);
-- ``histogram_only``: the ``bincount`` alone (what finding t costs);
+- ``threshold``: ``pariskv.most_voted_rows`` — t by bisection over the vote values
+  (``pariskv.vote_threshold``), the rows as 32-row bit words, the first ties kept
+  by popcounts, compaction word by word (what the code runs since 2026-12-01);
+- ``threshold_only``: ``pariskv.vote_threshold`` alone (what finding t costs);
+- ``histogram``: the ``bincount`` of the vote values that found t until 2026-11-30
+  (what finding t cost then);
 - ``packed_sort``: one ``jnp.sort`` of (max − votes) << 20 | row, the first C.
 
 Each selection's set is checked against lax_top_k's. Median and [min–max] of
@@ -64,8 +66,9 @@ def strategies(count: int, most: int) -> dict:
     """name → (selection of votes[N], whether it returns C rows to check against lax_top_k's)."""
     return {
         "lax_top_k": (lambda v: pariskv.top_indices(v.astype(jnp.float32), count), True),
-        "histogram": (lambda v: pariskv.most_voted_rows(v, count, most), True),
-        "histogram_only": (lambda v: jnp.bincount(v + 1, length=most + 2), False),
+        "threshold": (lambda v: pariskv.most_voted_rows(v, count, most), True),
+        "threshold_only": (lambda v: pariskv.vote_threshold(v, count, most), False),
+        "histogram": (lambda v: jnp.bincount(v + 1, length=most + 2), False),
         "packed_sort": (lambda v: packed_sort(v, count, most), True),
     }
 

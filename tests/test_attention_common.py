@@ -79,20 +79,30 @@ def _mask(seed, n, density):
     return np.random.default_rng(seed).random(n) < density
 
 
-@pytest.mark.parametrize("n, density, nth", [
+def _unpack(words, n):
+    return np.unpackbits(np.asarray(words).view(np.uint8), bitorder="little")[:n].astype(bool)
+
+
+@pytest.mark.parametrize("n", [1, 32, 100, 5_000])
+def test_pack_words_puts_row_32w_plus_j_in_bit_j_of_word_w(n):
+    mask = _mask(n, n, 0.4)
+    words = common.pack_words(jnp.asarray(mask))
+    assert words.dtype == jnp.uint32 and words.shape == (-(-n // 32),)
+    np.testing.assert_array_equal(_unpack(words, words.size * 32), np.r_[mask, np.zeros(-n % 32, bool)])
+
+
+@pytest.mark.parametrize("n, density, keep", [
     (5_000, 0.3, 1), (5_000, 0.3, 700), (5_000, 0.02, 60),
-    (3 * common.TIE_BLOCK, 1.0, common.TIE_BLOCK),      # the last row of a full block
-    (3 * common.TIE_BLOCK, 1.0, common.TIE_BLOCK + 1),  # the first row of the next
-    (300, 0.5, 100),                                    # less than one block
+    (96, 1.0, 32),   # the last bit of a full word
+    (96, 1.0, 33),   # the first bit of the next
+    (96, 1.0, 0),    # none
+    (300, 0.5, 1_000),  # more than there are: all
 ])
-def test_row_of_nth_true_is_numpys(n, density, nth):
-    mask = _mask(n + nth, n, density)
-    assert int(common.row_of_nth_true(jnp.asarray(mask), nth)) == int(np.flatnonzero(mask)[nth - 1])
-
-
-def test_row_of_nth_true_past_the_last_true_is_past_the_end():
-    mask = _mask(1, 2_500, 0.1)
-    assert int(common.row_of_nth_true(jnp.asarray(mask), int(mask.sum()) + 1)) >= mask.size
+def test_first_set_bits_keeps_the_first_trues_in_row_order(n, density, keep):
+    mask = _mask(n + keep, n, density)
+    want = mask & (np.cumsum(mask) <= keep)
+    got = common.first_set_bits(common.pack_words(jnp.asarray(mask)), keep)
+    np.testing.assert_array_equal(_unpack(got, n), want)
 
 
 @pytest.mark.parametrize("n, density, size, fill", [
@@ -100,8 +110,12 @@ def test_row_of_nth_true_past_the_last_true_is_past_the_end():
     (5_000, 0.3, 200, 0),      # more Trues than slots: the first ones
     (5_000, 0.01, 200, 5_000),  # fewer: the rest is fill
     (7, 0.0, 3, -1),           # none
+    (0, 0.0, 3, -1),           # no rows
+    (70, 1.0, 0, 0),           # no slots
+    (100, 1.0, 100, 0),        # all True, a partial last word
 ])
 def test_compact_rows_is_nonzero_with_size_and_fill(n, density, size, fill):
     mask = _mask(n + size, n, density)
-    want = np.asarray(jnp.nonzero(jnp.asarray(mask), size=size, fill_value=fill)[0])
+    rows = np.flatnonzero(mask)[:size]
+    want = np.r_[rows, np.full(size - rows.size, fill)]
     np.testing.assert_array_equal(common.compact_rows(jnp.asarray(mask), size, fill), want)

@@ -341,8 +341,9 @@ def test_most_voted_rows_is_lax_top_k_set_in_ascending_order(n_valid, count, top
     np.testing.assert_array_equal(rows, np.sort(np.asarray(jax.lax.top_k(votes, count)[1])))
 
 
-def test_most_voted_rows_when_the_ties_end_at_a_block_boundary():
-    # One row above the threshold, after the boundary; the ties fill exactly the first block.
-    votes = jnp.zeros(3 * common.TIE_BLOCK, jnp.int32).at[2_000].set(5)
-    rows = pariskv.most_voted_rows(votes, common.TIE_BLOCK + 1, 48)
-    np.testing.assert_array_equal(rows, np.r_[np.arange(common.TIE_BLOCK), 2_000])
+@pytest.mark.parametrize("tied", [common.WORD_BITS, common.WORD_BITS - 1, 3 * common.WORD_BITS + 1])
+def test_most_voted_rows_when_the_ties_end_at_or_near_a_word_boundary(tied):
+    # One row above the threshold, far after the ties; the first `tied` zero-vote rows complete the set.
+    votes = jnp.zeros(300, jnp.int32).at[200].set(5)
+    rows = pariskv.most_voted_rows(votes, tied + 1, 48)
+    np.testing.assert_array_equal(rows, np.r_[np.arange(tied), 200])

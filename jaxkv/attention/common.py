@@ -134,33 +134,67 @@ def attend_selection(q, k_rows, v_rows, selection: Selection) -> Partial:
     return with_rest(partial_attention(q, k_rows, v_rows, selection.mask, selection.log_weight), selection)
 
 
-# Rows per block when finding the nth True: a full-length cumsum is ~4× slower on XLA CPU.
-TIE_BLOCK = 1024
+WORD_BITS = 32
 
 
-def row_of_nth_true(mask: jax.Array, nth) -> jax.Array:
-    """Row of the nth (≥ 1) True of mask[N]; ≥ N when mask has fewer Trues.
+def pack_words(mask: jax.Array) -> jax.Array:
+    """mask[N] as uint32 [⌈N/32⌉] words: bit j of word w is row 32·w + j (rows past N are False)."""
+    bits = jnp.pad(mask, (0, -mask.shape[0] % WORD_BITS)).reshape(-1, WORD_BITS).astype(jnp.uint32)
+    return jnp.sum(bits << jnp.arange(WORD_BITS, dtype=jnp.uint32), axis=1, dtype=jnp.uint32)
 
-    True counts per block of TIE_BLOCK rows, then a cumsum inside the one block
-    that holds it.
-    """
-    blocks = jnp.pad(mask, (0, -mask.shape[0] % TIE_BLOCK)).reshape(-1, TIE_BLOCK)
-    per_block = jnp.sum(blocks, axis=1, dtype=jnp.int32)
-    before = jnp.cumsum(per_block) - per_block
-    block = jnp.sum(before < nth) - 1
-    within = before[block] + jnp.cumsum(blocks[block], dtype=jnp.int32)
-    return block * TIE_BLOCK + jnp.sum(within < nth)
+
+def _select_bit(words: jax.Array, r: jax.Array) -> jax.Array:
+    """Bit position (uint32) of the r-th (≥ 1) set bit of each uint32 word, by halving the range."""
+    pos = jnp.zeros(words.shape, jnp.uint32)
+    half = WORD_BITS // 2
+    while half:
+        low = jax.lax.population_count((words >> pos) & jnp.uint32((1 << half) - 1)).astype(r.dtype)
+        past = r > low
+        r = jnp.where(past, r - low, r)
+        pos = jnp.where(past, pos + half, pos)
+        half //= 2
+    return pos
+
+
+def _bits_before(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(set bits per word, set bits in the words before it), int32 [W] each."""
+    counts = jax.lax.population_count(words).astype(jnp.int32)
+    return counts, jax.lax.associative_scan(jnp.add, counts) - counts
+
+
+def first_set_bits(words: jax.Array, n) -> jax.Array:
+    """words with only their first n set bits (in row order) kept."""
+    counts, before = _bits_before(words)
+    r = jnp.clip(n - before, 1, WORD_BITS)  # the last kept bit's rank in a word that keeps some
+    through = (jnp.uint32(2) << _select_bit(words, r)) - 1  # that bit and those below (bit 31: all)
+    return jnp.where(before + counts <= n, words, jnp.where(before < n, words & through, 0))
+
+
+def compact_words(words: jax.Array, size: int, fill: int = 0) -> jax.Array:
+    """:func:`compact_rows` of a mask packed by :func:`pack_words`."""
+    if words.shape[0] == 0:
+        return jnp.full((size,), fill, jnp.int32)
+    counts, before = _bits_before(words)
+    word_ids = jnp.arange(words.shape[0], dtype=jnp.int32)
+    first_slot = jnp.where(counts > 0, before, size)
+    word_of_slot = jax.lax.associative_scan(
+        jnp.maximum, jnp.zeros((size,), jnp.int32).at[first_slot].max(word_ids, mode="drop"))
+    slot = jnp.arange(size, dtype=jnp.int32)
+    bit = _select_bit(words[word_of_slot], slot - before[word_of_slot] + 1)
+    return jnp.where(slot < jnp.sum(counts), word_of_slot * WORD_BITS + bit.astype(jnp.int32), fill)
 
 
 def compact_rows(mask: jax.Array, size: int, fill: int = 0) -> jax.Array:
     """Rows of the first ``size`` Trues of mask[N], ascending, int32 [size]; slots past them ``fill``.
 
-    ``jnp.nonzero(mask, size=size, fill_value=fill)`` by an associative-scan
-    cumsum and a scatter, ~2× faster on XLA CPU.
+    ``jnp.nonzero(mask, size=size, fill_value=fill)`` without a scatter per row
+    (XLA CPU runs a scatter one update at a time): the mask is packed into
+    32-row words; each word that holds a True writes its index into the slot of
+    its first True (N/32 updates), a running max hands it to the slots after,
+    and a slot's row is found inside its word by popcounts. 3 heads × 262,140
+    rows into 26,214 slots: 6.5 → 1.7 ms (the scatter of every row it replaces).
     """
-    slot = jax.lax.associative_scan(jnp.add, mask.astype(jnp.int32)) - 1
-    rows = jnp.arange(mask.shape[0], dtype=jnp.int32)
-    return jnp.full((size,), fill, jnp.int32).at[jnp.where(mask, slot, size)].set(rows, mode="drop")
+    return compact_words(pack_words(mask), size, fill)
 
 
 def check_non_negative(cfg, *names: str) -> None:
