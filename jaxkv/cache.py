@@ -73,6 +73,9 @@ class CacheConfig:
     0 disables the fallback.
     offload: keep retrieval K/V and the index's bulk fields (a method's
     ``HOST_INDEX_FIELDS``) in pinned host memory (False: on the device).
+    slot_block: slots of a selection gathered and attended at a time on the
+    XLA path, for a method whose correction is slot-wise (MagicPIG): blocks
+    past the last slot in use are not read.
     """
 
     sink: int | None = None
@@ -80,12 +83,15 @@ class CacheConfig:
     buffer: int | None = None
     dense_threshold: int | None = None
     offload: bool = True
+    slot_block: int = 2048
 
     def __post_init__(self):
         for name in ("sink", "local", "buffer", "dense_threshold"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"CacheConfig.{name} must be >= 0, got {value}")
+        if not isinstance(self.slot_block, int) or self.slot_block < 1:
+            raise ValueError(f"CacheConfig.slot_block must be an int >= 1, got {self.slot_block!r}")
         if self.buffer is not None and self.buffer == 0:
             raise ValueError("CacheConfig.buffer must be >= 1: the update buffer is how keys reach the index")
 
@@ -97,7 +103,7 @@ class CacheConfig:
         top_k = getattr(method_cfg, "top_k", 0)
         threshold = (self.dense_threshold if self.dense_threshold is not None
                      else max(2000, sink + local + 2 * top_k))
-        return CacheConfig(sink, local, buffer, threshold, self.offload)
+        return dataclasses.replace(self, sink=sink, local=local, buffer=buffer, dense_threshold=threshold)
 
 
 # ----------------------------------------------------------------------------
@@ -304,29 +310,80 @@ def _retrieval_dense(q, state: RegionKV, ccfg):
     return over_batch_heads(common.partial_attention)(q, keys, values, mask), state.retr_len.astype(jnp.float32)
 
 
+def _keys_and_correction(q, state: RegionKV, sel, *, method, mcfg, ccfg):
+    """(the selected key rows, the method's score correction for them: None or [B, H, G, C])."""
+    k_rows = gather_rows(state.retr_k, sel.idx, ccfg)
+    return k_rows, over_batch_heads(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s))(
+        state.index, q, k_rows, sel)
+
+
+def _attend_rows(q, state: RegionKV, sel, *, method, mcfg, ccfg) -> common.Partial:
+    """Partial over the selection's rows (not its ``rest``): gather K, correct, gather V, attend."""
+    k_rows, log_weight = _keys_and_correction(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
+    v_rows = gather_rows(state.retr_v, sel.idx, ccfg)
+    return over_batch_heads(common.partial_attention)(q, k_rows, v_rows, sel.mask, log_weight)
+
+
+def _used_slots(sel) -> jax.Array:
+    """One past the last slot any (batch, head, query head) uses: the slots worth reading."""
+    live = sel.mask if sel.mask.ndim == sel.idx.ndim else jnp.any(sel.mask, axis=-2)
+    return jnp.max(jnp.where(live, jnp.arange(1, live.shape[-1] + 1), 0))
+
+
+def _attend_rows_by_blocks(q, state: RegionKV, sel, *, method, mcfg, ccfg) -> common.Partial:
+    """:func:`_attend_rows` over blocks of ``ccfg.slot_block`` slots, up to the last used one.
+
+    A sampling method sizes its selection for the largest sample it allows
+    (MagicPIG: N/8 slots per KV head) and fills part of it (7 % of the keys at
+    256k, the union of a GQA group, compacted to the front): gathering,
+    correcting and attending block by block skips the unused tail, so a step
+    costs what its sample holds, not its capacity.
+    """
+    block = ccfg.slot_block
+    pad = -sel.idx.shape[-1] % block
+
+    def padded(x):
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+    idx, mask = padded(sel.idx), padded(sel.mask)
+
+    def one_block(j, acc):
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, j * block, block, axis=x.ndim - 1)
+        part = _attend_rows(q, state, common.Selection(idx=take(idx), mask=take(mask)),
+                            method=method, mcfg=mcfg, ccfg=ccfg)
+        return over_batch_heads(common.merge)(acc, part)
+
+    b, hkv, g, hd = q.shape
+    empty = over_batch_heads(lambda qq: common.empty_partial(g, hd))(q)
+    return jax.lax.fori_loop(0, (_used_slots(sel) + block - 1) // block, one_block, empty)
+
+
 def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     """The method's estimate over the retrieval region: select, gather, correct, attend.
 
     With the retrieval region on the device and a method config whose
     ``uses_kernels()`` holds, the attention runs in the gather-attention kernel;
-    host-offloaded rows are gathered on the host side first and attended by XLA.
+    host-offloaded rows are gathered on the host side first and attended by XLA,
+    block by block for a method whose correction is slot-wise
+    (``SLOT_WISE_CORRECTION``) and whose selection exceeds a block.
     """
     select = method_select(method, ccfg)
     sel = over_batch_heads(lambda ix, qq: select(mcfg, ix, qq))(state.index, q)
-    # Only a correction needs k_rows on the kernel path; XLA drops the gather otherwise.
-    k_rows = gather_rows(state.retr_k, sel.idx, ccfg)
-    log_weight = over_batch_heads(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s))(
-        state.index, q, k_rows, sel)
-    sel = dataclasses.replace(sel, log_weight=log_weight)
     if not ccfg.offload and getattr(mcfg, "uses_kernels", lambda: False)():
         # The kernel gathers rows of the device-resident region itself: no copy of V.
+        # Only a correction needs k_rows on this path; XLA drops the gather otherwise.
+        _, log_weight = _keys_and_correction(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
+
         def one_row(q, k, v, idx, mask, log_weight):
             return dispatch.gather_attention_heads(q, k, v, idx, mask, log_weight, **mcfg.kernel_options())
 
-        o, l, m = jax.vmap(one_row)(q, state.retr_k, state.retr_v, sel.idx, sel.mask, sel.log_weight)
-        part = over_batch_heads(common.with_rest)(common.Partial(o=o, l=l, m=m), sel)
+        o, l, m = jax.vmap(one_row)(q, state.retr_k, state.retr_v, sel.idx, sel.mask, log_weight)
+        read = common.Partial(o=o, l=l, m=m)
+    elif getattr(method, "SLOT_WISE_CORRECTION", False) and sel.idx.shape[-1] > ccfg.slot_block:
+        read = _attend_rows_by_blocks(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
     else:
-        part = over_batch_heads(common.attend_selection)(q, k_rows, gather_rows(state.retr_v, sel.idx, ccfg), sel)
+        read = _attend_rows(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
+    part = over_batch_heads(common.with_rest)(read, sel)
     reads = jnp.mean(over_batch_heads(lambda s: s.distinct_rows())(sel).astype(jnp.float32), axis=1)
     return part, reads
 

@@ -239,6 +239,8 @@ def test_sampling_config_rejects_nan_temperature():
     ({"sink": -1}, r"CacheConfig\.sink must be >= 0, got -1"),
     ({"buffer": 0}, r"CacheConfig\.buffer must be >= 1"),
     ({"dense_threshold": -5}, r"CacheConfig\.dense_threshold must be >= 0, got -5"),
+    ({"slot_block": 0}, r"CacheConfig\.slot_block must be an int >= 1, got 0"),
+    ({"slot_block": 2.5}, r"CacheConfig\.slot_block must be an int >= 1, got 2\.5"),
 ])
 def test_cache_config(fields, pattern):
     with pytest.raises(ValueError, match=pattern):

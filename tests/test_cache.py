@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv import cache as kvcache
-from jaxkv.attention import magicpig, topk
+from jaxkv.attention import common, magicpig, topk
 
 S, W, U = 2, 4, 3
 H, HD = 2, 8
@@ -106,10 +106,10 @@ def test_region_attention_reading_everything_equals_dense():
             np.testing.assert_allclose(np.asarray(out[row, 0, head]), expected, rtol=2e-5, atol=2e-6)
 
 
-def _magicpig_decode(offload: bool, steps: int = 12):
+def _magicpig_decode(offload: bool, steps: int = 12, **cache_kw):
     """MagicPIG through the regions: prefill, `steps` appends (several flushes), one attention."""
     mcfg = magicpig.MagicPIGConfig(K=4, L=6, sink=S, local=W, capacity=1.0, candidate_capacity=2.0)
-    ccfg = kvcache.CacheConfig(buffer=U, dense_threshold=0, offload=offload).resolve(mcfg)
+    ccfg = kvcache.CacheConfig(buffer=U, dense_threshold=0, offload=offload, **cache_kw).resolve(mcfg)
     rng = np.random.default_rng(3)
     lengths, b, g = np.array([40, 25], np.int32), 2, 3
     total = int(lengths.max()) + steps + 1  # the attended token too
@@ -131,16 +131,42 @@ def _magicpig_decode(offload: bool, steps: int = 12):
     out, state = attend(jnp.asarray(q), jnp.asarray(full_k[rows, lengths + steps][:, None]),
                         jnp.asarray(full_v[rows, lengths + steps][:, None]),
                         jnp.asarray((lengths + steps)[:, None]), state)
-    return out, state
+    return out, state, q
 
 
 def test_magicpig_id_lists_live_in_host_memory_and_decode_the_same():
-    out_host, state = _magicpig_decode(offload=True)
+    out_host, state, _ = _magicpig_decode(offload=True)
     assert state.index.sorted_ids.sharding.memory_kind == "pinned_host"
     assert state.index.bucket_starts.sharding.memory_kind == "device"  # small per-head metadata
-    out_device, state_device = _magicpig_decode(offload=False)
+    out_device, state_device, _ = _magicpig_decode(offload=False)
     assert state_device.index.sorted_ids.sharding.memory_kind == "device"
     # Same index, same samples: the host gather only changes where rows are read.
     np.testing.assert_array_equal(np.asarray(state.index.sorted_ids), np.asarray(state_device.index.sorted_ids))
     np.testing.assert_array_equal(np.asarray(out_host), np.asarray(out_device))
     assert int(np.min(np.asarray(state.retr_len))) > 0  # flushes happened: the index was updated
+
+
+def test_magicpig_read_in_blocks_of_slots_decodes_as_one_pass():
+    """Gathering, correcting and attending 3 slots at a time up to the last used slot = one pass over all."""
+    whole, state, q = _magicpig_decode(offload=True)  # the default block exceeds the whole selection
+    out, _, _ = _magicpig_decode(offload=True, slot_block=3)
+    # The same rows and weights, their partials merged in another order: float32 rounding only.
+    np.testing.assert_allclose(np.asarray(out), np.asarray(whole), rtol=1e-5, atol=1e-6)
+    # What the blocks covered: several blocks used, and unused ones past them (skipped).
+    q = jnp.asarray(q.reshape(2, H, 3, HD))  # the query group of each KV head
+    mcfg = magicpig.MagicPIGConfig(K=4, L=6, sink=S, local=W, capacity=1.0, candidate_capacity=2.0)
+    select = kvcache.method_select(magicpig, kvcache.CacheConfig(offload=True))  # the id lists are in host memory
+    sel = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select(mcfg, ix, qq)))(state.index, q)
+    used, slots = int(kvcache._used_slots(sel)), sel.idx.shape[-1]
+    assert used % 3 and 2 * 3 < used < slots - 3, (used, slots)  # a partial last block
+
+
+def test_used_slots_is_one_past_the_last_slot_any_head_uses():
+    mask = np.zeros((2, 3, 4, 10), bool)  # [B, Hkv, G, C]
+    mask[1, 2, 3, 6] = mask[0, 0, 0, 2] = True
+    sel = common.Selection(idx=jnp.zeros((2, 3, 10), jnp.int32), mask=jnp.asarray(mask))
+    assert int(kvcache._used_slots(sel)) == 7
+    shared = common.Selection(idx=sel.idx, mask=jnp.asarray(mask.any(axis=2)))  # one mask per KV head
+    assert int(kvcache._used_slots(shared)) == 7
+    none = common.Selection(idx=sel.idx, mask=jnp.zeros((2, 3, 10), bool))
+    assert int(kvcache._used_slots(none)) == 0

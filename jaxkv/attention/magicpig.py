@@ -192,6 +192,9 @@ def is_dense_layer(cfg: MagicPIGConfig, layer: int) -> bool:
 # at L=150): with host offload they live in host memory beside the retrieval
 # region, and select() reads the entries it needs through a host gather.
 HOST_INDEX_FIELDS = ("sorted_ids",)
+# correction() of a slot depends only on that slot's row and mask: the cache may
+# gather, correct and attend the selection a block of slots at a time.
+SLOT_WISE_CORRECTION = True
 
 
 def index_bytes_per_key(cfg: MagicPIGConfig) -> int:
