@@ -25,9 +25,12 @@ into each table in one linear pass: an old entry moves right by the number of
 new keys in smaller buckets, a new entry lands after the old entries of its
 bucket. Ids are appended in increasing order, so the result equals building the
 index from all keys at once, bit for bit. The merge rewrites the index (4·L
-bytes per key) once per U decode steps — about 1 byte per key per step at
-U = 512, small beside the hundreds of bytes of K and V a dense step reads per
-key — so a separate unsorted recent segment is not worth its complexity.
+bytes per key) once per U decode steps. In bytes that is little (600 B per key
+every 64 steps at K10L150, ≈ 9 B per key per step), but on XLA CPU the running count of new entries
+over every slot is a reduce-window of 4–14 ns per slot: at 262k keys and U = 64 the flush is
+0.8–1.0 s, 12.7 ms per step, a fifth of the step (docs/results/performance.md,
+"2026-12-01, later"). An unsorted segment of recent keys, matched by comparing
+codes and merged far less often, is what would remove it; not built.
 (Measured on the shared 2-core CPU, K10L150, 65k keys: merging 512 keys took
 ≈1.4 s, building from scratch ≈2.4–3.3 s, half of it the [N, d]×[d, K·L]
 hashing matmul and half the per-table sort.)
