@@ -105,6 +105,15 @@ def test_first_set_bits_keeps_the_first_trues_in_row_order(n, density, keep):
     np.testing.assert_array_equal(_unpack(got, n), want)
 
 
+@pytest.mark.parametrize("n, density", [(1, 1.0), (100, 0.5), (5_000, 0.01), (5_000, 0.9), (64, 0.0)])
+def test_set_bits_through_is_the_running_count_of_the_rows(n, density):
+    mask = _mask(n, n, density)
+    got = common.set_bits_through(common.pack_words(jnp.asarray(mask)))
+    assert got.dtype == jnp.int32 and got.shape == (-(-n // 32) * 32,)
+    np.testing.assert_array_equal(np.asarray(got)[:n], np.cumsum(mask))
+    np.testing.assert_array_equal(np.asarray(got)[n:], mask.sum())  # the padding rows are False
+
+
 @pytest.mark.parametrize("n, density, size, fill", [
     (5_000, 0.3, 1_500, 0),    # exactly or about as many Trues as slots
     (5_000, 0.3, 200, 0),      # more Trues than slots: the first ones

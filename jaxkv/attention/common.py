@@ -172,6 +172,18 @@ def first_set_bits(words: jax.Array, n) -> jax.Array:
     return jnp.where(before + counts <= n, words, jnp.where(before < n, words & through, 0))
 
 
+def set_bits_through(words: jax.Array) -> jax.Array:
+    """Running count of a mask packed by :func:`pack_words`: int32 [32·W], Trues at rows ≤ r for row r.
+
+    jnp.cumsum over the rows without a pass per row: the words' counts are
+    summed (W of them) and each row adds the popcount of its word below it.
+    """
+    _, before = _bits_before(words)
+    through = (jnp.uint32(2) << jnp.arange(WORD_BITS, dtype=jnp.uint32)) - 1  # bits 0..j (j = 31: all)
+    within = jax.lax.population_count(words[:, None] & through[None, :]).astype(jnp.int32)
+    return (before[:, None] + within).reshape(-1)
+
+
 def compact_words(words: jax.Array, size: int, fill: int = 0) -> jax.Array:
     """:func:`compact_rows` of a mask packed by :func:`pack_words`."""
     if words.shape[0] == 0:

@@ -26,11 +26,11 @@ new keys in smaller buckets, a new entry lands after the old entries of its
 bucket. Ids are appended in increasing order, so the result equals building the
 index from all keys at once, bit for bit. The merge rewrites the index (4·L
 bytes per key) once per U decode steps. In bytes that is little (600 B per key
-every 64 steps at K10L150, ≈ 9 B per key per step), but on XLA CPU the running count of new entries
-over every slot is a reduce-window of 4–14 ns per slot: at 262k keys and U = 64 the flush is
-0.8–1.0 s, 12.7 ms per step, a fifth of the step (docs/results/performance.md,
-"2026-12-01, later"). An unsorted segment of recent keys, matched by comparing
-codes and merged far less often, is what would remove it; not built.
+every 64 steps at K10L150, ≈ 9 B per key per step), but every slot of every table moves, and on
+XLA CPU that is ≈ 0.7 s per flush at 262k keys × 3 heads (U = 64: 11 ms per
+step; docs/results/performance.md, "2026-12-01, later"). An unsorted segment
+of recent keys, matched by comparing codes and merged far less often, is what
+would remove it; not built.
 (Measured on the shared 2-core CPU, K10L150, 65k keys: merging 512 keys took
 ≈1.4 s, building from scratch ≈2.4–3.3 s, half of it the [N, d]×[d, K·L]
 hashing matmul and half the per-table sort.)
@@ -388,7 +388,9 @@ def _merge_table(sorted_ids, starts, new_codes, n):
     # next new key where one lands, else the old entry shifted right by the
     # new keys landed at or before t.
     is_new = jnp.zeros(cap, bool).at[new_target].set(True, mode="drop")
-    new_upto = jnp.cumsum(is_new.astype(jnp.int32))
+    # By popcounts of the packed slots: jnp.cumsum over every slot is a reduce-window on
+    # XLA CPU (490 ms of a 1 s flush at 262k keys × 3 heads, XLA's per-thunk trace).
+    new_upto = common.set_bits_through(common.pack_words(is_new))[:cap]
     old_entry = sorted_ids[jnp.maximum(slot - new_upto, 0)]
     merged = jnp.where(is_new, n + new_rows[jnp.maximum(new_upto - 1, 0)],
                        jnp.where(slot < n + jnp.sum(live), old_entry, 0))
