@@ -353,7 +353,7 @@ def _attend_rows_by_blocks(q, state: RegionKV, sel, *, method, mcfg, ccfg) -> co
                             method=method, mcfg=mcfg, ccfg=ccfg)
         return over_batch_heads(common.merge)(acc, part)
 
-    b, hkv, g, hd = q.shape
+    g, hd = q.shape[-2:]
     empty = over_batch_heads(lambda qq: common.empty_partial(g, hd))(q)
     return jax.lax.fori_loop(0, (_used_slots(sel) + block - 1) // block, one_block, empty)
 

@@ -106,9 +106,13 @@ def test_region_attention_reading_everything_equals_dense():
             np.testing.assert_allclose(np.asarray(out[row, 0, head]), expected, rtol=2e-5, atol=2e-6)
 
 
+# Small enough to index a few dozen keys; capacity 1.0 keeps every sample in the selection.
+SMALL_MAGICPIG = magicpig.MagicPIGConfig(K=4, L=6, sink=S, local=W, capacity=1.0, candidate_capacity=2.0)
+
+
 def _magicpig_decode(offload: bool, steps: int = 12, **cache_kw):
     """MagicPIG through the regions: prefill, `steps` appends (several flushes), one attention."""
-    mcfg = magicpig.MagicPIGConfig(K=4, L=6, sink=S, local=W, capacity=1.0, candidate_capacity=2.0)
+    mcfg = SMALL_MAGICPIG
     ccfg = kvcache.CacheConfig(buffer=U, dense_threshold=0, offload=offload, **cache_kw).resolve(mcfg)
     rng = np.random.default_rng(3)
     lengths, b, g = np.array([40, 25], np.int32), 2, 3
@@ -154,7 +158,7 @@ def test_magicpig_read_in_blocks_of_slots_decodes_as_one_pass():
     np.testing.assert_allclose(np.asarray(out), np.asarray(whole), rtol=1e-5, atol=1e-6)
     # What the blocks covered: several blocks used, and unused ones past them (skipped).
     q = jnp.asarray(q.reshape(2, H, 3, HD))  # the query group of each KV head
-    mcfg = magicpig.MagicPIGConfig(K=4, L=6, sink=S, local=W, capacity=1.0, candidate_capacity=2.0)
+    mcfg = SMALL_MAGICPIG
     select = kvcache.method_select(magicpig, kvcache.CacheConfig(offload=True))  # the id lists are in host memory
     sel = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select(mcfg, ix, qq)))(state.index, q)
     used, slots = int(kvcache._used_slots(sel)), sel.idx.shape[-1]
