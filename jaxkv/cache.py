@@ -262,43 +262,73 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
         retr_len=state.retr_len + jnp.where(full, u, 0))
 
 
-def append(state: RegionKV, k, v, positions, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
-    """Add one token per row (k, v [B, Hkv, hd] at positions [B]), flushing first if needed."""
-    w, u = ccfg.local, ccfg.buffer
-    state = jax.lax.cond(
-        jnp.any(state.win_len == w + u),
+def _flush_if_full(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
+    """The state with every full window row flushed (no row is full after it)."""
+    return jax.lax.cond(
+        jnp.any(state.win_len == ccfg.local + ccfg.buffer),
         functools.partial(flush, method=method, mcfg=mcfg, ccfg=ccfg), lambda st: st, state)
-    in_sink = positions < ccfg.sink
 
-    def put(buf, x, where):
-        return jax.lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype), where, axis=1)
 
-    sink_at = jnp.minimum(positions, ccfg.sink - 1) if ccfg.sink else jnp.zeros_like(positions)
-    new_sink_k = jax.vmap(put)(state.sink_k, k, sink_at) if ccfg.sink else state.sink_k
-    new_sink_v = jax.vmap(put)(state.sink_v, v, sink_at) if ccfg.sink else state.sink_v
-    new_win_k = jax.vmap(put)(state.win_k, k, state.win_len)
-    new_win_v = jax.vmap(put)(state.win_v, v, state.win_len)
-    sel = in_sink[:, None, None, None]
+def _put_rows(buf, x, where, keep):
+    """buf [B, H, S, hd] with x [B, H, hd] at row where[B], or the row already there where keep[B].
+
+    One row per batch row, updated in place: a select over the whole buffer
+    would copy it every step.
+    """
+    rows = jnp.arange(buf.shape[0])
+    return buf.at[rows, :, where].set(jnp.where(keep[:, None, None], buf[rows, :, where], x.astype(buf.dtype)))
+
+
+def _write_sink(state: RegionKV, k, v, in_sink, positions, ccfg: CacheConfig) -> RegionKV:
+    """The token of each row whose position is below the sink size, written to the sink."""
+    if not ccfg.sink:
+        return state
+    at = jnp.minimum(positions, ccfg.sink - 1)
     return dataclasses.replace(
-        state,
-        sink_k=jnp.where(sel, new_sink_k, state.sink_k),
-        sink_v=jnp.where(sel, new_sink_v, state.sink_v),
-        win_k=jnp.where(sel, state.win_k, new_win_k),
-        win_v=jnp.where(sel, state.win_v, new_win_v),
-        sink_len=state.sink_len + in_sink,
+        state, sink_k=_put_rows(state.sink_k, k, at, ~in_sink), sink_v=_put_rows(state.sink_v, v, at, ~in_sink),
+        sink_len=state.sink_len + in_sink)
+
+
+def _write_window(state: RegionKV, k, v, in_sink) -> RegionKV:
+    """The token of each row not in the sink, written after its window (never full after a flush).
+
+    A row whose token went to the sink writes it past its window all the same,
+    where nothing is read (its window is empty then): no row is read back and
+    no select spans the whole window.
+    """
+    rows = jnp.arange(state.win_k.shape[0])
+    return dataclasses.replace(
+        state, win_k=state.win_k.at[rows, :, state.win_len].set(k.astype(state.win_k.dtype)),
+        win_v=state.win_v.at[rows, :, state.win_len].set(v.astype(state.win_v.dtype)),
         win_len=state.win_len + ~in_sink)
 
 
-def _exact_partial(q, state: RegionKV):
-    """Partials over sink + window for q [B, Hkv, G, hd]."""
-    s_cap, w_cap = state.sink_k.shape[2], state.win_k.shape[2]
-    sink_mask = jnp.arange(s_cap)[None, :] < state.sink_len[:, None]
-    win_mask = jnp.arange(w_cap)[None, :] < state.win_len[:, None]
-    keys = jnp.concatenate([state.sink_k, state.win_k], axis=2)
-    values = jnp.concatenate([state.sink_v, state.win_v], axis=2)
-    mask = jnp.concatenate([sink_mask, win_mask], axis=1)
-    mask = jnp.broadcast_to(mask[:, None], keys.shape[:3])
-    return over_batch_heads(common.partial_attention)(q, keys, values, mask)
+def append(state: RegionKV, k, v, positions, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
+    """Add one token per row (k, v [B, Hkv, hd] at positions [B]), flushing first if needed."""
+    state = _flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg)
+    in_sink = positions < ccfg.sink
+    return _write_window(_write_sink(state, k, v, in_sink, positions, ccfg), k, v, in_sink)
+
+
+def _region_partial(q, keys, values, length):
+    """Partial of q [B, Hkv, G, hd] over the first length[B] rows of keys, values [B, Hkv, S, hd]."""
+    mask = jnp.arange(keys.shape[2])[None, :] < length[:, None]
+    return over_batch_heads(common.partial_attention)(q, keys, values, jnp.broadcast_to(mask[:, None], keys.shape[:3]))
+
+
+def _exact_partial(q, state: RegionKV, k, v, in_window):
+    """Partials over sink + window + this step's token k, v [B, Hkv, hd] (in the window where in_window[B]).
+
+    The state's sink holds the token already, its window not yet: XLA writes
+    the token into a window that is read afterwards by writing the whole window
+    twice (once per reader), so the window is attended before the write and the
+    token by itself. Each region is attended where it lies: concatenating them
+    copied the sink and window every step.
+    """
+    token = _region_partial(q, k[:, :, None], v[:, :, None], in_window.astype(jnp.int32))
+    sink = _region_partial(q, state.sink_k, state.sink_v, state.sink_len)
+    window = _region_partial(q, state.win_k, state.win_v, state.win_len)
+    return over_batch_heads(common.merge)(sink, window, token)
 
 
 def _retrieval_dense(q, state: RegionKV, ccfg):
@@ -401,9 +431,12 @@ def region_attention(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg:
     b, _, hq, hd = q.shape
     hkv = k.shape[2]
     pos = positions[:, 0]
-    state = append(state, k[:, 0], v[:, 0], pos, method=method, mcfg=mcfg, ccfg=ccfg)
     qg = q[:, 0].reshape(b, hkv, hq // hkv, hd)
-    exact = _exact_partial(qg, state)
+    state = _flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg)
+    in_sink = pos < ccfg.sink
+    state = _write_sink(state, k[:, 0], v[:, 0], in_sink, pos, ccfg)
+    exact = _exact_partial(qg, state, k[:, 0], v[:, 0], ~in_sink)
+    state = _write_window(state, k[:, 0], v[:, 0], in_sink)
     context = pos + 1
     short = jnp.any(context < ccfg.dense_threshold)
     if batch_axis is not None:

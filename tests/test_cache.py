@@ -4,6 +4,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -82,10 +83,12 @@ def test_retrieval_region_lives_in_pinned_host_memory():
         np.testing.assert_array_equal(np.asarray(k[b, :, :n]), full_k[b, :n].swapaxes(0, 1))
 
 
-def test_region_attention_reading_everything_equals_dense():
+# The second case's short row attends while its token goes to the sink (position 1 < S).
+@pytest.mark.parametrize("lengths, steps", [([30, 17], 6), ([25, 1], 0)])
+def test_region_attention_reading_everything_equals_dense(lengths, steps):
     """With top_k ≥ every retrieval row the merged regions give exact attention."""
     mcfg, ccfg = _config(top_k=64, dense_threshold=0, offload=True)
-    state, full_k, full_v, totals = _run([30, 17], steps=6, offload=True)
+    state, full_k, full_v, totals = _run(lengths, steps=steps, offload=True)
     rng = np.random.default_rng(1)
     b, g = len(totals), 3
     q = rng.standard_normal((b, 1, H * g, HD)).astype(np.float32)
