@@ -435,7 +435,7 @@ def region_attention(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg:
     state = _flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg)
     in_sink = pos < ccfg.sink
     state = _write_sink(state, k[:, 0], v[:, 0], in_sink, pos, ccfg)
-    exact = _exact_partial(qg, state, k[:, 0], v[:, 0], ~in_sink)
+    exact = _exact_partial(qg, state, k[:, 0], v[:, 0], ~in_sink)  # the window before its token
     state = _write_window(state, k[:, 0], v[:, 0], in_sink)
     context = pos + 1
     short = jnp.any(context < ccfg.dense_threshold)
