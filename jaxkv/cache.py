@@ -333,11 +333,8 @@ def _exact_partial(q, state: RegionKV, k, v, in_window):
 
 def _retrieval_dense(q, state: RegionKV, ccfg):
     """Exact partial over every retrieval row (the short-context fallback)."""
-    cap = state.retr_k.shape[2]
     keys, values = _device(state.retr_k, ccfg), _device(state.retr_v, ccfg)
-    mask = jnp.arange(cap)[None, :] < state.retr_len[:, None]
-    mask = jnp.broadcast_to(mask[:, None], keys.shape[:3])
-    return over_batch_heads(common.partial_attention)(q, keys, values, mask), state.retr_len.astype(jnp.float32)
+    return _region_partial(q, keys, values, state.retr_len), state.retr_len.astype(jnp.float32)
 
 
 def _keys_and_correction(q, state: RegionKV, sel, *, method, mcfg, ccfg):
