@@ -175,6 +175,8 @@ class _LoopSpec:
 def _decode_loop(params, spec: _LoopSpec, first_logits, lengths, states, key):
     """Sample max_new_tokens tokens (fewer when every row has hit EOS) inside one while_loop."""
     b = first_logits.shape[0]
+    # Slice the stacked layer weights once, here, not once per token inside the loop.
+    params = models.unstack_layers(params, spec.config.num_layers)
     eos = jnp.asarray(spec.eos_ids if spec.eos_ids else (-2,), jnp.int32)
     out = jnp.full((b, spec.max_new_tokens), PAD, jnp.int32)
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.errors import ModelError
-from models.params import LayerParams, Params
+from models.params import LayerParams, Params, layer_params
 from models.rope import apply_rope, inverse_frequencies
 
 # One layer's attention step, for a sequence of per-layer hooks:
@@ -197,6 +197,10 @@ def forward_hidden(params: Params, config: ModelConfig, tokens, positions, state
     * a sequence of num_layers :data:`AttentionFn` (``states`` a tuple of
       per-layer states; a Python loop, for layers of different kinds).
 
+    With ``params`` from :func:`models.params.unstack_layers` the layers run as a
+    Python loop in both cases (the hook gets a constant layer index), reading
+    each layer's weights where they lie instead of slicing them from the stack.
+
     Returns (hidden [B, T, D] after the final norm, new states).
     """
     _check_tokens(tokens, positions)
@@ -206,7 +210,12 @@ def forward_hidden(params: Params, config: ModelConfig, tokens, positions, state
     def layer_step(x, layer, state, attend):
         return _layer(layer, config, inv_freq, x, positions, state, attend)
 
-    if callable(attention):
+    if callable(attention) and isinstance(params.layers, tuple):
+        _check_stacked_states(states, config.num_layers)
+        for i in range(config.num_layers):
+            x, states = layer_step(x, layer_params(params, i), states,
+                                   lambda q, k, v, pos, st, i=i: attention(q, k, v, pos, st, jnp.int32(i)))
+    elif callable(attention):
         _check_stacked_states(states, config.num_layers)
 
         def scan_body(carry, layer_and_index):
@@ -220,8 +229,7 @@ def forward_hidden(params: Params, config: ModelConfig, tokens, positions, state
             raise ModelError(f"states: expected {config.num_layers} per-layer states, found {len(states)}")
         new_states = []
         for i, (attend, state) in enumerate(zip(attention, states)):
-            layer = jax.tree.map(lambda w, i=i: w[i], params.layers)
-            x, state = layer_step(x, layer, state, attend)
+            x, state = layer_step(x, layer_params(params, i), state, attend)
             new_states.append(state)
         states = tuple(new_states)
     else:

@@ -46,12 +46,30 @@ class LayerParams:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Params:
-    """All decoder weights."""
+    """All decoder weights; ``layers`` stacked, or per layer after :func:`unstack_layers`."""
 
     embed: jax.Array                 # [V, D]
-    layers: LayerParams
+    layers: LayerParams | tuple[LayerParams, ...]
     final_norm: jax.Array            # [D]
     unembed: jax.Array | None = None  # [V, D], None when the embeddings are tied
+
+
+def layer_params(params: Params, index: int) -> LayerParams:
+    """Layer ``index``'s weights, whether the layers are stacked or per layer."""
+    if isinstance(params.layers, tuple):
+        return params.layers[index]
+    return jax.tree.map(lambda w: w[index], params.layers)
+
+
+def unstack_layers(params: Params, num_layers: int) -> Params:
+    """The same weights with one LayerParams per layer instead of one stacked LayerParams.
+
+    For jitted loops over tokens: XLA CPU copies a layer's slice of a stacked
+    weight before each matmul that reads it, so slicing inside the loop copies
+    every weight on every token. Called in front of the loop, the slices are
+    copied once per call (while the loop runs, the weights are held twice).
+    """
+    return dataclasses.replace(params, layers=tuple(layer_params(params, i) for i in range(num_layers)))
 
 
 def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
