@@ -210,12 +210,7 @@ def forward_hidden(params: Params, config: ModelConfig, tokens, positions, state
     def layer_step(x, layer, state, attend):
         return _layer(layer, config, inv_freq, x, positions, state, attend)
 
-    if callable(attention) and isinstance(params.layers, tuple):
-        _check_stacked_states(states, config.num_layers)
-        for i in range(config.num_layers):
-            x, states = layer_step(x, layer_params(params, i), states,
-                                   lambda q, k, v, pos, st, i=i: attention(q, k, v, pos, st, jnp.int32(i)))
-    elif callable(attention):
+    if callable(attention):
         _check_stacked_states(states, config.num_layers)
 
         def scan_body(carry, layer_and_index):
@@ -223,7 +218,11 @@ def forward_hidden(params: Params, config: ModelConfig, tokens, positions, state
             layer, index = layer_and_index
             x, states = layer_step(x, layer, states, lambda q, k, v, pos, st: attention(q, k, v, pos, st, index))
             return (x, states), None
-        (x, states), _ = jax.lax.scan(scan_body, (x, states), (params.layers, jnp.arange(config.num_layers)))
+        if isinstance(params.layers, tuple):
+            for i in range(config.num_layers):
+                (x, states), _ = scan_body((x, states), (layer_params(params, i), jnp.int32(i)))
+        else:
+            (x, states), _ = jax.lax.scan(scan_body, (x, states), (params.layers, jnp.arange(config.num_layers)))
     elif isinstance(attention, Sequence) and len(attention) == config.num_layers:
         if len(states) != config.num_layers:
             raise ModelError(f"states: expected {config.num_layers} per-layer states, found {len(states)}")
