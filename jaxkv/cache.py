@@ -115,12 +115,13 @@ class CacheConfig:
 class RegionKV:
     sink_k: jax.Array  # [B, Hkv, S, hd] device
     sink_v: jax.Array
-    win_k: jax.Array  # [B, Hkv, W + U, hd] device, position order
+    win_k: jax.Array  # [B, Hkv, W + U, hd] device, a ring: position order from slot win_start
     win_v: jax.Array
     retr_k: jax.Array  # [B, Hkv, cap, hd] host (or device without offload)
     retr_v: jax.Array
     index: Any  # the method's index, leaves with leading [B, Hkv]
     sink_len: jax.Array  # [B] int32
+    win_start: jax.Array  # [B] int32, the window slot of its oldest token
     win_len: jax.Array  # [B] int32
     retr_len: jax.Array  # [B] int32
     keys_read: jax.Array  # [B] float32, distinct keys read per KV head, summed over steps
@@ -227,17 +228,34 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     return RegionKV(
         sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
         retr_k=_host(retr_k, ccfg), retr_v=_host(retr_v, ccfg), index=index,
-        sink_len=sink_len, win_len=win_len, retr_len=retr_len,
+        sink_len=sink_len, win_start=jnp.zeros_like(win_len), win_len=win_len, retr_len=retr_len,
         keys_read=jnp.zeros((b,), jnp.float32), keys_seen=jnp.zeros((b,), jnp.float32))
 
 
+def _window_slots(state: RegionKV, first, count: int):
+    """[B, count] window slots of the tokens first[B], first + 1, ... counted from each row's oldest."""
+    return (state.win_start[:, None] + first[:, None] + jnp.arange(count)[None, :]) % state.win_k.shape[2]
+
+
+def _window_rows(x, slots):
+    """x [B, H, W + U, hd] at slots [B, n]: [B, H, n, hd]."""
+    return jax.vmap(lambda xb, sb: xb[:, sb])(x, slots)
+
+
 def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
-    """Move the oldest U window tokens of every full row into retrieval and its index."""
+    """Move the oldest U window tokens of every full row into retrieval and its index.
+
+    The window is a ring: the moved tokens' slots are freed by advancing
+    win_start, and the window arrays are not written. Shifting them instead
+    made XLA copy both whole windows every step, flush or not (the cond's
+    untaken branch must hand back the buffer the taken one writes).
+    """
     w, u = ccfg.local, ccfg.buffer
     full = state.win_len == w + u
     b, h = state.win_k.shape[:2]
-    moved_k, moved_v = state.win_k[:, :, :u], state.win_v[:, :, :u]
-    # Rows that are not full write their (unchanged) first window rows past their
+    oldest = _window_slots(state, jnp.zeros_like(state.win_start), u)
+    moved_k, moved_v = _window_rows(state.win_k, oldest), _window_rows(state.win_v, oldest)
+    # Rows that are not full write their (unchanged) oldest window rows past their
     # retrieval length: those rows stay invalid because retr_len does not move.
     rows = state.retr_len[:, None, None] + jnp.arange(u)[None, None, :]
     rows = jnp.broadcast_to(rows, (b, h, u))
@@ -248,18 +266,13 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
     index = over_batch_heads(lambda ix, kk, vv, c: common.insert_index(method, mcfg, ix, kk, vv, c))(
         index, moved_k, moved_v, count)
     index = place_index(index, method, ccfg, host=True)
-
-    def shift(x):
-        shifted = jnp.concatenate([x[:, :, u:], jnp.zeros_like(x[:, :, :u])], axis=2)
-        return jnp.where(full[:, None, None, None], shifted, x)
-
+    moved = jnp.where(full, u, 0)
     return dataclasses.replace(
         state,
         retr_k=scatter_rows(state.retr_k, rows, moved_k, ccfg),
         retr_v=scatter_rows(state.retr_v, rows, moved_v, ccfg),
-        index=index, win_k=shift(state.win_k), win_v=shift(state.win_v),
-        win_len=state.win_len - jnp.where(full, u, 0),
-        retr_len=state.retr_len + jnp.where(full, u, 0))
+        index=index, win_start=(state.win_start + moved) % state.win_k.shape[2],
+        win_len=state.win_len - moved, retr_len=state.retr_len + moved)
 
 
 def _flush_if_full(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
@@ -279,56 +292,76 @@ def _put_rows(buf, x, where, keep):
     return buf.at[rows, :, where].set(jnp.where(keep[:, None, None], buf[rows, :, where], x.astype(buf.dtype)))
 
 
+def _write_if(pred, write, *buffers):
+    """write(*buffers) if pred holds, else the buffers as they are: one cond.
+
+    In line, XLA CPU fused a row write into a decode-loop carry with the
+    reshape of each reader that attends it (batch 1) and copied the whole
+    buffer twice per step; a cond's result is read where it lies.
+    """
+    return jax.lax.cond(pred, write, lambda *unchanged: unchanged, *buffers)
+
+
 def _write_sink(state: RegionKV, k, v, in_sink, positions, ccfg: CacheConfig) -> RegionKV:
     """The token of each row whose position is below the sink size, written to the sink."""
     if not ccfg.sink:
         return state
     at = jnp.minimum(positions, ccfg.sink - 1)
-    return dataclasses.replace(
-        state, sink_k=_put_rows(state.sink_k, k, at, ~in_sink), sink_v=_put_rows(state.sink_v, v, at, ~in_sink),
-        sink_len=state.sink_len + in_sink)
+    sink_k, sink_v = _write_if(
+        jnp.any(in_sink), lambda sk, sv: (_put_rows(sk, k, at, ~in_sink), _put_rows(sv, v, at, ~in_sink)),
+        state.sink_k, state.sink_v)
+    return dataclasses.replace(state, sink_k=sink_k, sink_v=sink_v, sink_len=state.sink_len + in_sink)
 
 
 def _write_window(state: RegionKV, k, v, in_sink) -> RegionKV:
-    """The token of each row not in the sink, written after its window (never full after a flush).
+    """The token of each row not in the sink, written after its window's newest (never full after a flush).
 
     A row whose token went to the sink writes it past its window all the same,
-    where nothing is read (its window is empty then): no row is read back and
-    no select spans the whole window.
+    where nothing is read: no row is read back and no select spans the window.
     """
     rows = jnp.arange(state.win_k.shape[0])
-    return dataclasses.replace(
-        state, win_k=state.win_k.at[rows, :, state.win_len].set(k.astype(state.win_k.dtype)),
-        win_v=state.win_v.at[rows, :, state.win_len].set(v.astype(state.win_v.dtype)),
-        win_len=state.win_len + ~in_sink)
+    slot = _window_slots(state, state.win_len, 1)[:, 0]
+    win_k, win_v = _write_if(
+        jnp.any(~in_sink),
+        lambda wk, wv: (wk.at[rows, :, slot].set(k.astype(wk.dtype)), wv.at[rows, :, slot].set(v.astype(wv.dtype))),
+        state.win_k, state.win_v)
+    return dataclasses.replace(state, win_k=win_k, win_v=win_v, win_len=state.win_len + ~in_sink)
 
 
-def append(state: RegionKV, k, v, positions, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
-    """Add one token per row (k, v [B, Hkv, hd] at positions [B]), flushing first if needed."""
-    state = _flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg)
+def _write_token(state: RegionKV, k, v, positions, ccfg: CacheConfig) -> RegionKV:
+    """One token per row (k, v [B, Hkv, hd] at positions [B]) written to the sink or the window."""
     in_sink = positions < ccfg.sink
     return _write_window(_write_sink(state, k, v, in_sink, positions, ccfg), k, v, in_sink)
 
 
-def _region_partial(q, keys, values, length):
-    """Partial of q [B, Hkv, G, hd] over the first length[B] rows of keys, values [B, Hkv, S, hd]."""
-    mask = jnp.arange(keys.shape[2])[None, :] < length[:, None]
-    return over_batch_heads(common.partial_attention)(q, keys, values, jnp.broadcast_to(mask[:, None], keys.shape[:3]))
+def append(state: RegionKV, k, v, positions, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
+    """Add one token per row (k, v [B, Hkv, hd] at positions [B]), flushing first if needed."""
+    return _write_token(_flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg), k, v, positions, ccfg)
 
 
-def _exact_partial(q, state: RegionKV, k, v, in_window):
-    """Partials over sink + window + this step's token k, v [B, Hkv, hd] (in the window where in_window[B]).
+def _region_partial(q, keys, values, length, start=None):
+    """Partial of q [B, Hkv, G, hd] over length[B] rows of keys, values [B, Hkv, S, hd].
 
-    The state's sink holds the token already, its window not yet: XLA writes
-    the token into a window that is read afterwards by writing the whole window
-    twice (once per reader), so the window is attended before the write and the
-    token by itself. Each region is attended where it lies: concatenating them
-    copied the sink and window every step.
+    The rows are the first ones, or with start[B] those of a ring from slot start.
     """
-    token = _region_partial(q, k[:, :, None], v[:, :, None], in_window.astype(jnp.int32))
+    slots = jnp.arange(keys.shape[2])[None, :]
+    if start is not None:
+        slots = (slots - start[:, None]) % keys.shape[2]
+    mask = jnp.broadcast_to((slots < length[:, None])[:, None], keys.shape[:3])
+    return jax.vmap(jax.vmap(common.partial_attention))(q, keys, values, mask)
+
+
+def _exact_partial(q, state: RegionKV):
+    """Partials over the sink and the window, which hold this step's token already.
+
+    Each region is attended where it lies, after the token's write: read before
+    its write, a window (a while-loop carry) was copied twice per step by XLA
+    (into a temporary, then back for the in-place write); concatenating the
+    regions copied them too.
+    """
     sink = _region_partial(q, state.sink_k, state.sink_v, state.sink_len)
-    window = _region_partial(q, state.win_k, state.win_v, state.win_len)
-    return over_batch_heads(common.merge)(sink, window, token)
+    window = _region_partial(q, state.win_k, state.win_v, state.win_len, state.win_start)
+    return over_batch_heads(common.merge)(sink, window)
 
 
 def _retrieval_dense(q, state: RegionKV, ccfg):
@@ -429,11 +462,8 @@ def region_attention(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg:
     hkv = k.shape[2]
     pos = positions[:, 0]
     qg = q[:, 0].reshape(b, hkv, hq // hkv, hd)
-    state = _flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg)
-    in_sink = pos < ccfg.sink
-    state = _write_sink(state, k[:, 0], v[:, 0], in_sink, pos, ccfg)
-    exact = _exact_partial(qg, state, k[:, 0], v[:, 0], ~in_sink)  # the window before its token
-    state = _write_window(state, k[:, 0], v[:, 0], in_sink)
+    state = _write_token(_flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg), k[:, 0], v[:, 0], pos, ccfg)
+    exact = _exact_partial(qg, state)
     context = pos + 1
     short = jnp.any(context < ccfg.dense_threshold)
     if batch_axis is not None:
@@ -459,6 +489,9 @@ def all_tokens(state: RegionKV):
     retr_k = jax.device_put(state.retr_k, DEVICE) if state.retr_k.sharding.memory_kind != "device" else state.retr_k
     retr_v = jax.device_put(state.retr_v, DEVICE) if state.retr_v.sharding.memory_kind != "device" else state.retr_v
 
+    in_order = _window_slots(state, jnp.zeros_like(state.win_start), state.win_k.shape[2])
+    win_k, win_v = _window_rows(state.win_k, in_order), _window_rows(state.win_v, in_order)
+
     def one(sk, sv, rk, rv, wk, wv, sl, rl, wl):
         parts_k = jnp.concatenate([sk, rk, wk], axis=1)
         parts_v = jnp.concatenate([sv, rv, wv], axis=1)
@@ -469,7 +502,7 @@ def all_tokens(state: RegionKV):
         src = jnp.clip(src, 0, parts_k.shape[1] - 1)
         return parts_k[:, src], parts_v[:, src]
 
-    k, v = jax.vmap(one)(state.sink_k, state.sink_v, retr_k, retr_v, state.win_k, state.win_v,
+    k, v = jax.vmap(one)(state.sink_k, state.sink_v, retr_k, retr_v, win_k, win_v,
                          state.sink_len, state.retr_len, state.win_len)
     return k, v, state.sink_len + state.retr_len + state.win_len
 

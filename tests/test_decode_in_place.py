@@ -1,5 +1,6 @@
 """A decode step updates the stacked dense cache in place instead of copying it,
-and generate()'s token loop reads the layer weights where they lie.
+generate()'s token loop reads the layer weights where they lie, and a sparse
+layer's sink and window are written in place.
 
 forward_hidden scans the layers with every layer's cache in the scan's carry;
 cached_attention writes only the new tokens. Scanning the cache as xs → ys
@@ -68,6 +69,18 @@ def test_stacked_and_per_layer_cached_attention_agree():
     assert changed.sum() == 4 and changed[0, 5] and changed[0, 6] and changed[1, 9] and changed[1, 10]
 
 
+def _decode_loop_hlo(config, prompt, new, method, method_config=None, cache_config=None):
+    """The compiled text of generate()'s real token loop for one prompt."""
+    params = models.init_params(config, jax.random.key(0))
+    backend = kvcache.make_backend(config, method, method_config, cache_config, len(prompt), new)
+    prefilled = jaxkv.prefill_prompts(params, config, [prompt], capacity=backend.staging_capacity)
+    lengths = jnp.asarray([len(prompt)], jnp.int32)
+    states = sharding.states_from_prefill(backend, prefilled.staging, lengths, None)
+    spec = generate_module._LoopSpec(config, new, SamplingConfig(), (), backend)
+    return generate_module._decode_loop.lower(
+        params, spec, prefilled.first_logits, lengths, states, jax.random.key(0)).compile().as_text()
+
+
 @pytest.mark.parametrize("method", ["dense", "topk"])
 def test_decode_loop_copies_no_layer_weight_per_token(method):
     """No array of an MLP weight's shape is made inside generate()'s token loop.
@@ -79,20 +92,36 @@ def test_decode_loop_copies_no_layer_weight_per_token(method):
     """
     d, f = 32, 72  # an MLP shape no activation of this model has
     config = tiny_config(num_layers=3, hidden_size=d, intermediate_size=f)
-    params = models.init_params(config, jax.random.key(0))
-    prompt, new = list(range(3, 23)), 4
     mcfg, ccfg = (None, None) if method == "dense" else (
         topk.TopKConfig(top_k=4, sink=2, local=4, buffer=2), kvcache.CacheConfig(dense_threshold=0))
-    backend = kvcache.make_backend(config, method, mcfg, ccfg, len(prompt), new)
-    prefilled = jaxkv.prefill_prompts(params, config, [prompt], capacity=backend.staging_capacity)
-    lengths = jnp.asarray([len(prompt)], jnp.int32)
-    states = sharding.states_from_prefill(backend, prefilled.staging, lengths, None)
-    spec = generate_module._LoopSpec(config, new, SamplingConfig(), (), backend)
-    hlo = generate_module._decode_loop.lower(
-        params, spec, prefilled.first_logits, lengths, states, jax.random.key(0)).compile().as_text()
+    hlo = _decode_loop_hlo(config, list(range(3, 23)), 4, method, mcfg, ccfg)
     weight_shapes = (f"f32[{d},{f}]", f"f32[{f},{d}]")
     weight_arrays = [line for line in hlo.splitlines() if line.split(" = ", 1)[-1].startswith(weight_shapes)]
     made_in_loop = [line for line in weight_arrays if "/while/body/" in line]
     assert not made_in_loop, made_in_loop[:3]
     # The shapes are there, made once in front of the loop: the check can see them.
     assert len(weight_arrays) >= 3 * 3
+
+
+def test_sparse_decode_loop_copies_no_sink_or_window():
+    """generate()'s token loop writes each layer's sink and window in place and copies neither.
+
+    Written in line, the window's row write was fused with the reshape of the
+    attention that reads it and the whole window copied twice per layer per
+    token (4 copies of 0.77 MB per layer: ≈ 26 ms of a ≈ 167 ms ParisKV
+    SmolLM2 token at 8k in XLA's trace); a flush that shifted the window
+    copied it as well. The writes run in conds and the window is a ring.
+    """
+    config = tiny_config(num_layers=3)
+    sink, local, buffer = 3, 11, 6  # 17 window slots: no other array of the model has this shape
+    hlo = _decode_loop_hlo(config, [3 + i % 100 for i in range(60)], 12, "topk",
+                           topk.TopKConfig(top_k=4, sink=sink, local=local, buffer=buffer),
+                           kvcache.CacheConfig(dense_threshold=0))
+    b, hkv, hd = 1, config.num_kv_heads, config.head_dim
+    region_shapes = tuple(f"f32[{b},{hkv},{n},{hd}]" for n in (sink, local + buffer))
+    region_arrays = [line.split(" = ", 1)[-1] for line in hlo.splitlines() if " = " in line]
+    region_arrays = [rhs for rhs in region_arrays if rhs.startswith(region_shapes)]
+    copies = [rhs for rhs in region_arrays if " copy(" in rhs]
+    assert not copies, copies[:4]
+    # The regions are in the loop (the writes are there to see): the check can see them.
+    assert sum("dynamic-update-slice" in rhs for rhs in region_arrays) >= 2 * 3 * 2

@@ -70,7 +70,7 @@ def _state_axes(path: str, ndim: int):
     """(batch axis, KV-head axis) of a decode-state leaf, by what the leaf is."""
     if path.endswith((".k", ".v")):  # dense cache: [L, B, Hkv, T, hd] stacked or [B, Hkv, T, hd]
         return (1, 2) if ndim == 5 else (0, 1)
-    if path.endswith(("_len", ".keys_read", ".keys_seen")):  # per-row counters [B]
+    if path.endswith(("_len", ".win_start", ".keys_read", ".keys_seen")):  # per-row counters [B]
         return 0, None
     return 0, 1  # every other RegionKV leaf, index included: [B, Hkv, ...]
 
