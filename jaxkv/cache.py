@@ -348,7 +348,7 @@ def _region_partial(q, keys, values, length, start=None):
     if start is not None:
         slots = (slots - start[:, None]) % keys.shape[2]
     mask = jnp.broadcast_to((slots < length[:, None])[:, None], keys.shape[:3])
-    return jax.vmap(jax.vmap(common.partial_attention))(q, keys, values, mask)
+    return over_batch_heads(common.partial_attention)(q, keys, values, mask)
 
 
 def _exact_partial(q, state: RegionKV):
