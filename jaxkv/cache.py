@@ -292,22 +292,12 @@ def _put_rows(buf, x, where, keep):
     return buf.at[rows, :, where].set(jnp.where(keep[:, None, None], buf[rows, :, where], x.astype(buf.dtype)))
 
 
-def _write_if(pred, write, *buffers):
-    """write(*buffers) if pred holds, else the buffers as they are: one cond.
-
-    In line, XLA CPU fused a row write into a decode-loop carry with the
-    reshape of each reader that attends it (batch 1) and copied the whole
-    buffer twice per step; a cond's result is read where it lies.
-    """
-    return jax.lax.cond(pred, write, lambda *unchanged: unchanged, *buffers)
-
-
 def _write_sink(state: RegionKV, k, v, in_sink, positions, ccfg: CacheConfig) -> RegionKV:
     """The token of each row whose position is below the sink size, written to the sink."""
     if not ccfg.sink:
         return state
     at = jnp.minimum(positions, ccfg.sink - 1)
-    sink_k, sink_v = _write_if(
+    sink_k, sink_v = models.write_if(
         jnp.any(in_sink), lambda sk, sv: (_put_rows(sk, k, at, ~in_sink), _put_rows(sv, v, at, ~in_sink)),
         state.sink_k, state.sink_v)
     return dataclasses.replace(state, sink_k=sink_k, sink_v=sink_v, sink_len=state.sink_len + in_sink)
@@ -321,7 +311,7 @@ def _write_window(state: RegionKV, k, v, in_sink) -> RegionKV:
     """
     rows = jnp.arange(state.win_k.shape[0])
     slot = _window_slots(state, state.win_len, 1)[:, 0]
-    win_k, win_v = _write_if(
+    win_k, win_v = models.write_if(
         jnp.any(~in_sink),
         lambda wk, wv: (wk.at[rows, :, slot].set(k.astype(wk.dtype)), wv.at[rows, :, slot].set(v.astype(wv.dtype))),
         state.win_k, state.win_v)
@@ -532,7 +522,7 @@ class Backend:
     @property
     def attention(self):
         if self.method == "dense":
-            return models.cached_attention
+            return (models.cached_attention,) * self.num_layers
         sparse = functools.partial(region_attention, method=method_module(self.method),
                                    mcfg=self.method_config, ccfg=self.cache)
         return tuple(models.cached_attention if l in self.dense_layers else sparse
@@ -541,11 +531,11 @@ class Backend:
     def from_prefill(self, staging: models.KVCache, lengths):
         """Every layer's decode state from the prefilled staging cache (dense layers keep their slice).
 
-        One jitted call per layer: in one program over all layers, XLA CPU kept
-        every layer's index-build temporaries alive at once.
+        Per layer, dense ones too: from a stacked cache, XLA CPU copied each
+        layer's K and V slice before attending them, on every decode step. One
+        jitted call per sparse layer: in one program over all layers, XLA CPU
+        kept every layer's index-build temporaries alive at once.
         """
-        if self.method == "dense":
-            return staging
         base_key = jax.random.key(self.seed)
         return tuple(
             models.KVCache(k=staging.k[layer], v=staging.v[layer]) if layer in self.dense_layers

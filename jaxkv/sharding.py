@@ -205,11 +205,8 @@ def per_shard(attention, mesh: Mesh | None):
 
 
 def states_from_prefill(backend: kvcache.Backend, staging: models.KVCache, lengths, mesh: Mesh | None):
-    """backend.from_prefill per shard: each device splits and indexes its own rows and KV heads.
-
-    The dense method decodes in the staging cache itself (already on the mesh).
-    """
-    if mesh is None or backend.method == "dense":
+    """backend.from_prefill per shard: each device splits and indexes its own rows and KV heads."""
+    if mesh is None:
         return backend.from_prefill(staging, lengths)
     return _from_prefill_per_shard(backend, mesh, staging, lengths)
 

@@ -16,6 +16,7 @@ from models.decoder import (
     lm_head,
     prefix_causal_attention,
     rms_norm,
+    write_if,
 )
 from models.errors import ModelError, ModelNotFoundError
 from models.gguf_import import load_gguf
@@ -28,5 +29,5 @@ __all__ = [
     "KVCache", "cached_attention", "LayerParams", "ModelConfig", "ModelError", "ModelNotFoundError", "Params", "Tokenizer",
     "default_model_path", "dense_causal_attention", "forward", "forward_hidden", "init_cache", "init_params",
     "lm_head", "load", "load_gguf", "load_hf", "param_shapes", "prefix_causal_attention", "restore", "rms_norm", "save",
-    "unstack_layers",
+    "unstack_layers", "write_if",
 ]

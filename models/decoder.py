@@ -267,6 +267,17 @@ def _self_attention(q, k, v, positions, states, layer):
     return dense_causal_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), positions, positions), states
 
 
+def write_if(pred, write, *buffers):
+    """write(*buffers) if pred holds, else the buffers as they are: one cond.
+
+    For buffers a decode loop carries and then reads. In line, XLA CPU fused a
+    row write into such a buffer with the reshape of each reader that attends
+    it (batch 1) and copied the whole buffer twice per step; a cond's result is
+    read where it lies.
+    """
+    return jax.lax.cond(pred, write, lambda *unchanged: unchanged, *buffers)
+
+
 def cached_attention(q, k, v, positions, cache: KVCache, layer=None):
     """Write this call's k, v at their positions, then attend to the cache (:func:`prefix_causal_attention`).
 
@@ -276,9 +287,15 @@ def cached_attention(q, k, v, positions, cache: KVCache, layer=None):
     """
     rows = jnp.arange(q.shape[0])[:, None]
     at = (rows, slice(None), positions) if layer is None else (layer, rows, slice(None), positions)
-    # Indexing [B,1] rows and [B,T] positions around the head slice puts them first: [B, T, Hkv, hd].
-    cache = KVCache(k=cache.k.at[at].set(k.astype(cache.k.dtype), mode="drop"),
-                    v=cache.v.at[at].set(v.astype(cache.v.dtype), mode="drop"))
+
+    def write(cache_k, cache_v):
+        # Indexing [B,1] rows and [B,T] positions around the head slice puts them first: [B, T, Hkv, hd].
+        return (cache_k.at[at].set(k.astype(cache_k.dtype), mode="drop"),
+                cache_v.at[at].set(v.astype(cache_v.dtype), mode="drop"))
+    if layer is None:  # one layer's cache, e.g. a decode-loop carry: see write_if
+        cache = KVCache(*write_if(jnp.any(positions < cache.k.shape[2]), write, cache.k, cache.v))
+    else:
+        cache = KVCache(*write(cache.k, cache.v))
     layer_k, layer_v = (cache.k, cache.v) if layer is None else (
         jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False),
         jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False))

@@ -101,6 +101,7 @@ def states_before_and_after_decode(params, mesh, kwargs):
     before = layout(states)
     spec = gen._LoopSpec(CONFIG, NEW_TOKENS, SamplingConfig(0.0, None, None), (), backend, mesh)
     args = (prefilled.first_logits, lengths_j, states, jax.random.key(0))
+    params = gen._split_layers(params, CONFIG.num_layers)
     compiled = gen._decode_loop.lower(params, spec, *args).compile()
     _, _, states = compiled(params, *args)
     return (before, layout(states), sharding.bytes_per_device(states), prefilled.first_logits,

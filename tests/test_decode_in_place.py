@@ -79,7 +79,8 @@ def _decode_loop_hlo(config, prompt, new, method, method_config=None, cache_conf
     states = sharding.states_from_prefill(backend, prefilled.staging, lengths, None)
     spec = generate_module._LoopSpec(config, new, SamplingConfig(), (), backend)
     return generate_module._decode_loop.lower(
-        params, spec, prefilled.first_logits, lengths, states, jax.random.key(0)).compile().as_text()
+        generate_module._split_layers(params, config.num_layers), spec, prefilled.first_logits, lengths, states,
+        jax.random.key(0)).compile().as_text()
 
 
 @pytest.mark.parametrize("method", ["dense", "topk"])
@@ -88,8 +89,8 @@ def test_decode_loop_copies_no_layer_weight_per_token(method):
 
     XLA CPU copies a stacked weight's layer slice before the matmul that reads
     it; sliced inside the loop, every weight was copied on every token (≈ 70 ms
-    of a ≈ 170 ms SmolLM2 token at 8k context in XLA's trace). The loop slices
-    the stack once, before it starts (models.unstack_layers).
+    of a ≈ 170 ms SmolLM2 token at 8k context in XLA's trace). generate()
+    splits the stack once per call, before the loop (models.unstack_layers).
     """
     d, f = 32, 72  # an MLP shape no activation of this model has
     config = tiny_config(num_layers=3, hidden_size=d, intermediate_size=f)
@@ -100,7 +101,7 @@ def test_decode_loop_copies_no_layer_weight_per_token(method):
     weight_arrays = [line for line in hlo.splitlines() if line.split(" = ", 1)[-1].startswith(weight_shapes)]
     made_in_loop = [line for line in weight_arrays if "/while/body/" in line]
     assert not made_in_loop, made_in_loop[:3]
-    # The shapes are there, made once in front of the loop: the check can see them.
+    # The shapes are there, the loop's split inputs: the check can see them.
     assert len(weight_arrays) >= 3 * 3
 
 
@@ -147,3 +148,31 @@ def test_magicpig_decode_loop_copies_bucket_starts_only_when_flushing():
     assert not copied_as_they_stand, copied_as_they_stand
     # The flushes' new starts are there to see: one computed per sparse layer.
     assert sum(" fusion(" in rhs for rhs in starts_arrays) >= 2
+
+
+@pytest.mark.parametrize("method", ["dense", "magicpig"])
+def test_decode_loop_copies_no_dense_layer_cache(method):
+    """generate()'s token loop attends each dense layer's K and V where they lie and copies neither.
+
+    From a stacked [L, ...] cache XLA CPU copied each layer's K and V slice
+    before attending them (≈ 60 ms of a ≈ 200 ms dense SmolLM2 token at 8k in
+    XLA's trace); a per-layer cache written in line was copied too (the
+    window's failure, see above). Dense layers keep one cache per layer,
+    written in a cond.
+    """
+    config = tiny_config(num_layers=3)
+    mcfg, ccfg = (None, None) if method == "dense" else (
+        magicpig.MagicPIGConfig(dense_layers=(0, 2)), kvcache.CacheConfig(dense_threshold=0))
+    prompt = [3 + i % 100 for i in range(60)]
+    hlo = _decode_loop_hlo(config, prompt, 12, method, mcfg, ccfg)
+    capacity = 512  # the staging cache, rounded up to whole prefill chunks
+    layer_shape = f"f32[1,{config.num_kv_heads},{capacity},{config.head_dim}]"
+    cache_arrays = [line.split(" = ", 1)[-1] for line in hlo.splitlines() if " = " in line]
+    cache_arrays = [rhs for rhs in cache_arrays if rhs.startswith(layer_shape)]
+    copies = [rhs for rhs in cache_arrays if " copy(" in rhs]
+    assert not copies, copies[:4]
+    stacked_shape = f"f32[{config.num_layers},{layer_shape[4:]}"
+    assert stacked_shape not in hlo
+    # Each dense layer's K and V writes are there to see.
+    dense_layers = config.num_layers if method == "dense" else 2
+    assert sum("dynamic-update-slice" in rhs for rhs in cache_arrays) >= 2 * dense_layers
