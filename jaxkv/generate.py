@@ -286,10 +286,11 @@ def generate(
     lengths_j = sharding.shard_rows(jnp.asarray(lengths, jnp.int32), mesh)
     # Every layer's state is new arrays (slices or regions): the caller's prefill stays intact.
     states = sharding.states_from_prefill(backend, sharding.shard_states(prefilled.staging, mesh), lengths_j, mesh)
+    first_logits = sharding.shard_rows(prefilled.first_logits, mesh)
+    del prefilled  # a prefill of our own is freed before decoding (a caller's stays theirs)
     jax.block_until_ready(states)
     t1 = time.perf_counter()
     spec = _LoopSpec(config, max_new_tokens, sampling, eos_ids, backend, mesh)
-    first_logits = sharding.shard_rows(prefilled.first_logits, mesh)
     layers_split = _split_layers(params, config.num_layers)  # once per call, timed with the decode
     out, steps, states = _decode_loop(layers_split, spec, first_logits, lengths_j, states,
                                       jax.random.key(seed))
