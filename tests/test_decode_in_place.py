@@ -9,6 +9,7 @@ instead allocates a second full cache every step (measured: 208 → 129 ms per
 dense SmolLM2 step at 8k context). The compiled step's temporary memory tells
 the two apart without timing anything.
 """
+import functools
 import importlib
 
 import jax
@@ -83,6 +84,22 @@ def _decode_loop_hlo(config, prompt, new, method, method_config=None, cache_conf
         jax.random.key(0)).compile().as_text()
 
 
+def _arrays_of_shape(hlo, *shapes):
+    """The right-hand sides of the HLO's instructions whose result has one of these shapes."""
+    rhs = [line.split(" = ", 1)[-1] for line in hlo.splitlines() if " = " in line]
+    return [r for r in rhs if r.startswith(shapes)]
+
+
+@functools.cache
+def _magicpig_loop_hlo():
+    """The compiled token loop of a 3-layer model, MagicPIG on layer 1, dense layers 0 and 2."""
+    config = tiny_config(num_layers=3)
+    mcfg = magicpig.MagicPIGConfig(dense_layers=(0, 2))
+    hlo = _decode_loop_hlo(config, [3 + i % 100 for i in range(80)], 12, "magicpig", mcfg,
+                           kvcache.CacheConfig(dense_threshold=0))
+    return config, mcfg, hlo
+
+
 @pytest.mark.parametrize("method", ["dense", "topk"])
 def test_decode_loop_copies_no_layer_weight_per_token(method):
     """No array of an MLP weight's shape is made inside generate()'s token loop.
@@ -120,9 +137,7 @@ def test_sparse_decode_loop_copies_no_sink_or_window():
                            topk.TopKConfig(top_k=4, sink=sink, local=local, buffer=buffer),
                            kvcache.CacheConfig(dense_threshold=0))
     b, hkv, hd = 1, config.num_kv_heads, config.head_dim
-    region_shapes = tuple(f"f32[{b},{hkv},{n},{hd}]" for n in (sink, local + buffer))
-    region_arrays = [line.split(" = ", 1)[-1] for line in hlo.splitlines() if " = " in line]
-    region_arrays = [rhs for rhs in region_arrays if rhs.startswith(region_shapes)]
+    region_arrays = _arrays_of_shape(hlo, *(f"f32[{b},{hkv},{n},{hd}]" for n in (sink, local + buffer)))
     copies = [rhs for rhs in region_arrays if " copy(" in rhs]
     assert not copies, copies[:4]
     # The regions are in the loop (the writes are there to see): the check can see them.
@@ -137,17 +152,12 @@ def test_magicpig_decode_loop_copies_bucket_starts_only_when_flushing():
     starts into it on every token, then the loop copied them back (2 copies of
     1.8 MB per layer: ≈ 15 ms of a ≈ 236 ms SmolLM2 token at 8k in XLA's trace).
     """
-    config = tiny_config(num_layers=3)
-    mcfg = magicpig.MagicPIGConfig(dense_layers=(0,))
-    hlo = _decode_loop_hlo(config, [3 + i % 100 for i in range(80)], 12, "magicpig", mcfg,
-                           kvcache.CacheConfig(dense_threshold=0))
-    starts_shape = f"s32[1,{config.num_kv_heads},{mcfg.L},{2 ** mcfg.K + 1}]"
-    starts_arrays = [line.split(" = ", 1)[-1] for line in hlo.splitlines() if " = " in line]
-    starts_arrays = [rhs for rhs in starts_arrays if rhs.startswith(starts_shape)]
+    config, mcfg, hlo = _magicpig_loop_hlo()
+    starts_arrays = _arrays_of_shape(hlo, f"s32[1,{config.num_kv_heads},{mcfg.L},{2 ** mcfg.K + 1}]")
     copied_as_they_stand = [rhs for rhs in starts_arrays if " copy(%get-tuple-element" in rhs]
     assert not copied_as_they_stand, copied_as_they_stand
-    # The flushes' new starts are there to see: one computed per sparse layer.
-    assert sum(" fusion(" in rhs for rhs in starts_arrays) >= 2
+    # The flush's new starts are there to see.
+    assert any(" fusion(" in rhs for rhs in starts_arrays)
 
 
 @pytest.mark.parametrize("method", ["dense", "magicpig"])
@@ -160,15 +170,14 @@ def test_decode_loop_copies_no_dense_layer_cache(method):
     window's failure, see above). Dense layers keep one cache per layer,
     written in a cond.
     """
-    config = tiny_config(num_layers=3)
-    mcfg, ccfg = (None, None) if method == "dense" else (
-        magicpig.MagicPIGConfig(dense_layers=(0, 2)), kvcache.CacheConfig(dense_threshold=0))
-    prompt = [3 + i % 100 for i in range(60)]
-    hlo = _decode_loop_hlo(config, prompt, 12, method, mcfg, ccfg)
+    if method == "dense":
+        config = tiny_config(num_layers=3)
+        hlo = _decode_loop_hlo(config, [3 + i % 100 for i in range(80)], 12, "dense")
+    else:
+        config, _, hlo = _magicpig_loop_hlo()
     capacity = 512  # the staging cache, rounded up to whole prefill chunks
     layer_shape = f"f32[1,{config.num_kv_heads},{capacity},{config.head_dim}]"
-    cache_arrays = [line.split(" = ", 1)[-1] for line in hlo.splitlines() if " = " in line]
-    cache_arrays = [rhs for rhs in cache_arrays if rhs.startswith(layer_shape)]
+    cache_arrays = _arrays_of_shape(hlo, layer_shape)
     copies = [rhs for rhs in cache_arrays if " copy(" in rhs]
     assert not copies, copies[:4]
     stacked_shape = f"f32[{config.num_layers},{layer_shape[4:]}"
