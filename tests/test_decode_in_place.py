@@ -156,8 +156,9 @@ def test_magicpig_decode_loop_copies_bucket_starts_only_when_flushing():
     starts_arrays = _arrays_of_shape(hlo, f"s32[1,{config.num_kv_heads},{mcfg.L},{2 ** mcfg.K + 1}]")
     copied_as_they_stand = [rhs for rhs in starts_arrays if " copy(%get-tuple-element" in rhs]
     assert not copied_as_they_stand, copied_as_they_stand
-    # The flush's new starts are there to see.
-    assert any(" fusion(" in rhs for rhs in starts_arrays)
+    # The flushes' new starts are there to see: one computed per sparse layer.
+    sparse_layers = config.num_layers - len(mcfg.dense_layers)
+    assert sum(" fusion(" in rhs for rhs in starts_arrays) >= sparse_layers
 
 
 @pytest.mark.parametrize("method", ["dense", "magicpig"])
