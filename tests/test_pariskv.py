@@ -55,6 +55,16 @@ def test_rotation_depends_on_seed_only():
     assert not np.allclose(a, rotate(ParisKVConfig(seed=4), x))
 
 
+def test_rotation_diagonal_is_the_seeded_rademacher_draw_compiled_as_a_constant():
+    cfg = ParisKVConfig(seed=3)
+    expected = jax.random.rademacher(jax.random.key(3), (64,), dtype=jnp.float32)
+    np.testing.assert_array_equal(pariskv.rotation_diagonal(cfg, 64), expected)
+    # Drawn inside the compiled rotation, the generator's threefry rounds run as a
+    # loop on every call (every sparse layer on every decoded token).
+    hlo = rotate.lower(cfg, _normal(2, (4, 64))).compile().as_text()
+    assert "while" not in hlo and "threefry" not in hlo
+
+
 @pytest.mark.parametrize("m", [2, 4, 8])
 def test_bucket_ids_are_the_sign_patterns(m):
     y = np.array(_normal(3, (50, 64)))

@@ -27,6 +27,7 @@ low nibble = even coordinate.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 
@@ -168,9 +169,19 @@ def _hadamard(p: int) -> np.ndarray:
     return h
 
 
-def rotation_diagonal(cfg: ParisKVConfig, p: int) -> jax.Array:
-    """The seeded ±1 diagonal D of the rotation (float32 [p])."""
-    return jax.random.rademacher(jax.random.key(cfg.seed), (p,), dtype=jnp.float32)
+@functools.lru_cache(maxsize=None)
+def _rademacher_signs(seed: int, p: int) -> np.ndarray:
+    # Evaluated once, not traced: inside a jitted decode loop the generator's
+    # threefry rounds otherwise ran for every sparse layer on every token.
+    with jax.ensure_compile_time_eval():
+        signs = np.array(jax.random.rademacher(jax.random.key(seed), (p,), dtype=jnp.float32))
+    signs.setflags(write=False)  # shared by every caller
+    return signs
+
+
+def rotation_diagonal(cfg: ParisKVConfig, p: int) -> np.ndarray:
+    """The seeded ±1 diagonal D of the rotation (float32 [p]), a constant."""
+    return _rademacher_signs(cfg.seed, p)
 
 
 def rotate(cfg: ParisKVConfig, x: jax.Array) -> jax.Array:
