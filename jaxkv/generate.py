@@ -134,6 +134,9 @@ def prefill_prompts(params, config, prompts, *, capacity: int, prefill_chunk: in
     mesh: a jaxkv.sharding mesh to prefill on (the cache comes back sharded on it).
     """
     rows = _validate_prompts(prompts, config)
+    if models.layers_are_split(params) and len(params.layers) != config.num_layers:
+        raise ValueError(f"params holds {len(params.layers)} split layers; the config has "
+                         f"num_layers = {config.num_layers}")
     params = sharding.shard_params(params, config, mesh, batch=len(rows))
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -248,8 +251,14 @@ def generate(
     batch size and max_new_tokens) reuse one compiled decode loop.
     mesh: a ("data", "model") mesh (jaxkv.sharding.make_mesh) to decode on, the
     batch split over "data" and the KV heads over "model"; see docs/sharding.md.
+    params: as loaded (layer weights stacked), or split once per layer by
+    models.unstack_layers. The decode loop needs them split: stacked weights are
+    split (copied) on every call, split ones are used as they are.
     """
     rows = prefilled.rows if prefilled is not None else _validate_prompts(prompts, config)
+    if models.layers_are_split(params) and len(params.layers) != config.num_layers:
+        raise ValueError(f"params holds {len(params.layers)} split layers; the config has "
+                         f"num_layers = {config.num_layers}")
     params = sharding.shard_params(params, config, mesh, batch=len(rows))
     if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool):
         raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
@@ -291,7 +300,9 @@ def generate(
     jax.block_until_ready(states)
     t1 = time.perf_counter()
     spec = _LoopSpec(config, max_new_tokens, sampling, eos_ids, backend, mesh)
-    layers_split = _split_layers(params, config.num_layers)  # once per call, timed with the decode
+    # Weights already split by the caller are used as they are; stacked ones are
+    # split here, once per call, and the split is timed with the decode.
+    layers_split = params if models.layers_are_split(params) else _split_layers(params, config.num_layers)
     out, steps, states = _decode_loop(layers_split, spec, first_logits, lengths_j, states,
                                       jax.random.key(seed))
     out = sharding.fetch(out)

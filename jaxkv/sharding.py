@@ -79,21 +79,26 @@ def validate_mesh(mesh: Mesh, config: models.ModelConfig, batch: int | None = No
 
 
 def param_specs(params: models.Params, mesh: Mesh) -> models.Params:
-    """A Params-shaped tree of PartitionSpecs (see the module docstring)."""
+    """A Params-shaped tree of PartitionSpecs (see the module docstring); layers stacked or split."""
+    split = models.layers_are_split(params)
+    first_layer = params.layers[0] if split else params.layers
     sharded = dict(_HEAD_SHARDED)
-    if params.layers.w_gate.shape[-1] % mesh.shape[MODEL] == 0:
+    if first_layer.w_gate.shape[-1] % mesh.shape[MODEL] == 0:
         sharded.update(_MLP_SHARDED)
+    stacked = () if split else (None,)  # None: the stacked layer axis
 
     def layer_spec(name, leaf):
         if leaf is None:
             return None
-        return P(None, *sharded[name]) if name in sharded else P()  # None: the stacked layer axis
+        return P(*stacked, *sharded[name]) if name in sharded else P()
 
-    layers = {f.name: layer_spec(f.name, getattr(params.layers, f.name))
-              for f in dataclasses.fields(params.layers)}
+    def layers_spec(layer):
+        return models.LayerParams(**{f.name: layer_spec(f.name, getattr(layer, f.name))
+                                     for f in dataclasses.fields(layer)})
+
     replicated = lambda x: None if x is None else P()  # noqa: E731
-    return models.Params(embed=P(), layers=models.LayerParams(**layers),
-                         final_norm=P(), unembed=replicated(params.unembed))
+    layers = tuple(map(layers_spec, params.layers)) if split else layers_spec(params.layers)
+    return models.Params(embed=P(), layers=layers, final_norm=P(), unembed=replicated(params.unembed))
 
 
 def cache_specs(states):

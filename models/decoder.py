@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.errors import ModelError
-from models.params import LayerParams, Params, layer_params
+from models.params import LayerParams, Params, layer_params, layers_are_split
 from models.rope import apply_rope, inverse_frequencies
 
 # One layer's attention step, for a sequence of per-layer hooks:
@@ -218,7 +218,7 @@ def forward_hidden(params: Params, config: ModelConfig, tokens, positions, state
             layer, index = layer_and_index
             x, states = layer_step(x, layer, states, lambda q, k, v, pos, st: attention(q, k, v, pos, st, index))
             return (x, states), None
-        if isinstance(params.layers, tuple):
+        if layers_are_split(params):
             for i in range(config.num_layers):
                 (x, states), _ = scan_body((x, states), (layer_params(params, i), jnp.int32(i)))
         else:

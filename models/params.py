@@ -56,7 +56,7 @@ class Params:
 
 def layer_params(params: Params, index: int) -> LayerParams:
     """Layer ``index``'s weights, whether the layers are stacked or per layer."""
-    if isinstance(params.layers, tuple):
+    if layers_are_split(params):
         return params.layers[index]
     return jax.tree.map(lambda w: w[index], params.layers)
 
@@ -70,6 +70,11 @@ def unstack_layers(params: Params, num_layers: int) -> Params:
     copied once per call (while the loop runs, the weights are held twice).
     """
     return dataclasses.replace(params, layers=tuple(layer_params(params, i) for i in range(num_layers)))
+
+
+def layers_are_split(params: Params) -> bool:
+    """Whether ``params`` holds one LayerParams per layer (:func:`unstack_layers`)."""
+    return isinstance(params.layers, tuple)
 
 
 def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -1,4 +1,6 @@
 """generate(): batching, determinism, EOS, sampling, sparse == dense when reading all, errors."""
+import importlib
+
 import jax
 import numpy as np
 import pytest
@@ -111,6 +113,26 @@ def test_one_prefill_shared_by_several_methods(params):
     assert 0 < sparse.keys_read_fraction[0] < 0.5
     with pytest.raises(ValueError, match="prefilled cache holds 64 positions"):
         jaxkv.generate(params, CONFIG, None, max_new_tokens=40, prefilled=shared)
+
+
+def test_weights_split_by_the_caller_decode_the_same_without_a_split_per_call(params, monkeypatch):
+    generate_module = importlib.import_module("jaxkv.generate")  # jaxkv.generate is also the function
+    prompts = _prompts([21, 9], seed=13)
+    split = models.unstack_layers(params, CONFIG.num_layers)
+    method = dict(method="topk", method_config=topk.TopKConfig(top_k=4, sink=2, local=4, buffer=3),
+                  cache_config=CacheConfig(dense_threshold=0))
+    stacked_tokens = [jaxkv.generate(params, CONFIG, prompts, max_new_tokens=12, eos_ids=(), **kwargs).tokens
+                      for kwargs in (dict(), method)]
+
+    def no_split(*args):
+        raise AssertionError("generate() split weights that were already split")
+
+    monkeypatch.setattr(generate_module, "_split_layers", no_split)
+    for kwargs, expected in zip((dict(), method), stacked_tokens):
+        assert jaxkv.generate(split, CONFIG, prompts, max_new_tokens=12, eos_ids=(), **kwargs).tokens == expected
+    short = models.Params(split.embed, split.layers[:1], split.final_norm, split.unembed)
+    with pytest.raises(ValueError, match="params holds 1 split layers; the config has num_layers = 2"):
+        jaxkv.generate(short, CONFIG, prompts, max_new_tokens=2)
 
 
 def test_prefills_of_one_capacity_share_one_compiled_decode_loop(params):

@@ -7,6 +7,7 @@ checks run here, on abstract meshes.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -231,6 +232,18 @@ def test_param_specs_split_heads_and_mlp_over_model_and_replicate_the_rest():
     assert layers.w_gate == layers.w_up == jax.P(None, None, "model")
     assert layers.w_down == jax.P(None, "model", None)
     assert specs.embed == specs.final_norm == layers.attn_norm == jax.P()
+
+
+def test_param_specs_of_split_layers_are_the_stacked_specs_without_the_layer_axis():
+    params = models.init_params(CONFIG, jax.random.key(0))
+    mesh = sharding.make_mesh(1, 1)
+    stacked = sharding.param_specs(params, mesh).layers
+    split = sharding.param_specs(models.unstack_layers(params, CONFIG.num_layers), mesh).layers
+    assert len(split) == CONFIG.num_layers
+    for layer in split:
+        for field in dataclasses.fields(layer):
+            spec, stacked_spec = getattr(layer, field.name), getattr(stacked, field.name)
+            assert spec == (None if stacked_spec is None else jax.P(*stacked_spec[1:]) if len(stacked_spec) else jax.P())
 
 
 def test_bytes_per_device_counts_each_memory_kind_once_per_device():
