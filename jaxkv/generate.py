@@ -72,6 +72,13 @@ def _validate_prompts(prompts, config) -> list[list[int]]:
     return rows
 
 
+def _validate_split_layers(params, config) -> None:
+    """Weights split per layer (models.unstack_layers) must hold every layer of the config."""
+    if models.layers_are_split(params) and len(params.layers) != config.num_layers:
+        raise ValueError(f"params holds {len(params.layers)} split layers; the config has "
+                         f"num_layers = {config.num_layers}")
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -134,9 +141,7 @@ def prefill_prompts(params, config, prompts, *, capacity: int, prefill_chunk: in
     mesh: a jaxkv.sharding mesh to prefill on (the cache comes back sharded on it).
     """
     rows = _validate_prompts(prompts, config)
-    if models.layers_are_split(params) and len(params.layers) != config.num_layers:
-        raise ValueError(f"params holds {len(params.layers)} split layers; the config has "
-                         f"num_layers = {config.num_layers}")
+    _validate_split_layers(params, config)
     params = sharding.shard_params(params, config, mesh, batch=len(rows))
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -256,9 +261,7 @@ def generate(
     split (copied) on every call, split ones are used as they are.
     """
     rows = prefilled.rows if prefilled is not None else _validate_prompts(prompts, config)
-    if models.layers_are_split(params) and len(params.layers) != config.num_layers:
-        raise ValueError(f"params holds {len(params.layers)} split layers; the config has "
-                         f"num_layers = {config.num_layers}")
+    _validate_split_layers(params, config)
     params = sharding.shard_params(params, config, mesh, batch=len(rows))
     if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool):
         raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")

@@ -133,6 +133,8 @@ def test_weights_split_by_the_caller_decode_the_same_without_a_split_per_call(pa
     short = models.Params(split.embed, split.layers[:1], split.final_norm, split.unembed)
     with pytest.raises(ValueError, match="params holds 1 split layers; the config has num_layers = 2"):
         jaxkv.generate(short, CONFIG, prompts, max_new_tokens=2)
+    with pytest.raises(ValueError, match="params holds 1 split layers; the config has num_layers = 2"):
+        jaxkv.prefill_prompts(short, CONFIG, prompts, capacity=32)
 
 
 def test_prefills_of_one_capacity_share_one_compiled_decode_loop(params):
