@@ -243,7 +243,7 @@ def test_param_specs_of_split_layers_are_the_stacked_specs_without_the_layer_axi
     for layer in split:
         for field in dataclasses.fields(layer):
             spec, stacked_spec = getattr(layer, field.name), getattr(stacked, field.name)
-            assert spec == (None if stacked_spec is None else jax.P(*stacked_spec[1:]) if len(stacked_spec) else jax.P())
+            assert spec == (None if stacked_spec is None else jax.P(*stacked_spec[1:]))  # P()[1:] is P()
 
 
 def test_bytes_per_device_counts_each_memory_kind_once_per_device():
