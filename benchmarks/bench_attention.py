@@ -16,8 +16,9 @@ per call, 3.8 ms per step in the loop). Each iteration's input depends on the
 previous iteration's output, so XLA can neither hoist the work out of the loop
 nor drop it.
 
-- dense: ``models.dense_causal_attention`` over N head-major keys on the
-  device, f32 — what a dense layer of generate() runs; every ratio is to it.
+- dense: ``models.dense_causal_attention`` over N keys laid out as
+  ``models.KVCache`` holds them, on the device, f32 — what a dense layer of
+  generate() runs; every ratio is to it.
 - sparse: ``jaxkv.cache.region_attention`` with ``dense_threshold=0`` on a
   RegionKV from ``jaxkv.cache.regions_from_prefill`` (retrieval K/V in
   pinned_host memory), the state threaded through the loop as generate()
@@ -226,13 +227,14 @@ def step_inputs(stats, n: int, rng):
 
 
 def bench_dense(staging_k, staging_v, q, n, timing: Timing):
+    cache_k = models.transpose_keys(staging_k)  # a copy, freed on return
     kv_positions = jnp.arange(n, dtype=jnp.int32)
     q_positions = jnp.full((1, 1), n - 1, jnp.int32)
 
     def body(i, out, q, *rest):  # each step's query tied to the last output: nothing hoisted or dropped
         return models.dense_causal_attention(q + out.ravel()[0] * 0.0, *rest)
 
-    return time_in_loop(body, jnp.zeros_like(q), (q, staging_k, staging_v, q_positions, kv_positions), timing)[0]
+    return time_in_loop(body, jnp.zeros_like(q), (q, cache_k, staging_v, q_positions, kv_positions), timing)[0]
 
 
 def bench_full_step(state, ccfg, method, mcfg, q, k, v, positions, timing: Timing):

@@ -72,9 +72,8 @@ def synthetic_prefill(config, batch: int, context: int, new_tokens: int):
     import models
 
     key_k, key_v, key_logits = jax.random.split(jax.random.key(1), 3)
-    # Head-major [L, B, Hkv, T, hd], as models.KVCache.
     shape = (config.num_layers, batch, config.num_kv_heads, context + new_tokens, config.head_dim)
-    staging = models.KVCache(k=jax.random.normal(key_k, shape), v=jax.random.normal(key_v, shape))
+    staging = models.KVCache(k=models.transpose_keys(jax.random.normal(key_k, shape)), v=jax.random.normal(key_v, shape))
     rows = np.random.default_rng(0).integers(3, config.vocab_size, (batch, context)).tolist()
     first_logits = jax.random.normal(key_logits, (batch, config.vocab_size))
     return jaxkv.Prefilled(rows, staging, first_logits, seconds=0.0)

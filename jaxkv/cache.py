@@ -204,7 +204,7 @@ def over_batch_heads(f):
 
 def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: CacheConfig,
                          capacity: int, key) -> RegionKV:
-    """Split one layer's prefilled dense cache (head-major [B, Hkv, T, hd], as models.KVCache) into the four regions."""
+    """Split one layer's prefilled K and V (both head-major [B, Hkv, T, hd]) into the four regions."""
     s, w, u = ccfg.sink, ccfg.local, ccfg.buffer
     b, h, t, hd = staging_k.shape
     pad = max(0, s + capacity + w + u - t)
@@ -539,7 +539,8 @@ class Backend:
         base_key = jax.random.key(self.seed)
         return tuple(
             models.KVCache(k=staging.k[layer], v=staging.v[layer]) if layer in self.dense_layers
-            else _layer_regions(self, staging.k[layer], staging.v[layer], lengths, jax.random.fold_in(base_key, layer))
+            else _layer_regions(self, models.transpose_keys(staging.k[layer]), staging.v[layer], lengths,
+                                jax.random.fold_in(base_key, layer))
             for layer in range(self.num_layers))
 
 

@@ -131,7 +131,7 @@ class Prefilled:
 
     @property
     def capacity(self) -> int:
-        return self.staging.k.shape[3]
+        return self.staging.max_len
 
 
 def prefill_prompts(params, config, prompts, *, capacity: int, prefill_chunk: int = 512,

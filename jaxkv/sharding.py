@@ -104,8 +104,8 @@ def param_specs(params: models.Params, mesh: Mesh) -> models.Params:
 def cache_specs(states):
     """PartitionSpecs for a decode state: a stacked dense cache, or a tuple of per-layer states.
 
-    Dense caches are [L, B, Hkv, T, hd] (stacked) or [B, Hkv, T, hd] (one layer);
-    every RegionKV leaf has leading [B, Hkv] except the per-row counters [B].
+    Dense caches (models.KVCache) have leading [L, B, Hkv] (stacked) or [B, Hkv]
+    (one layer); every RegionKV leaf has leading [B, Hkv] except the per-row counters [B].
     """
     if isinstance(states, models.KVCache):
         spec = P(None, DATA, MODEL, None, None) if states.k.ndim == 5 else P(DATA, MODEL, None, None)

@@ -33,22 +33,46 @@ StackedAttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, objec
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Dense cache of keys and values (after k-norm and RoPE), head-major.
+    """Dense cache of keys and values (after k-norm and RoPE), by KV head.
 
-    Leaves are [num_layers, B, num_kv_heads, max_len, head_dim] for every
-    layer, or [B, num_kv_heads, max_len, head_dim] for one layer. Head-major so
-    that a decode step's two contractions read K and V in place (a
-    position-major cache made XLA transpose both on every step).
+    For one layer, ``v`` is [B, num_kv_heads, max_len, head_dim] (head-major)
+    and ``k`` is [B, num_kv_heads, head_dim, max_len] (each head's keys as
+    columns); every layer's cache has a leading num_layers axis on both. Laid
+    out so that both of a decode step's contractions run along the cache's
+    minor axis and read it where it lies: with keys head-major too, XLA CPU's
+    q·Kᵀ ran at a third of the read bandwidth and the dense step took 1.2–1.5×
+    as long (docs/results/performance.md, "2026-12-02, late"). A position-major
+    cache made XLA transpose K and V on every step.
     """
 
     k: jax.Array
     v: jax.Array
 
+    @property
+    def max_len(self) -> int:
+        """Positions the cache holds."""
+        return self.v.shape[-2]
+
+
+# Every layer's cache, axis by axis: V head-major, K with its last two axes swapped.
+_V_AXES = ("num_layers", "B", "num_kv_heads", "max_len", "head_dim")
+_K_AXES = (*_V_AXES[:3], "head_dim", "max_len")
+
+
+def _cache_sizes(config: ModelConfig, batch: int, max_len) -> dict[str, int]:
+    return dict(num_layers=config.num_layers, B=batch, num_kv_heads=config.num_kv_heads, max_len=max_len,
+                head_dim=config.head_dim)
+
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     """An all-zero cache for ``batch`` sequences of up to ``max_len`` tokens, every layer."""
-    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    sizes = _cache_sizes(config, batch, max_len)
+    return KVCache(*(jnp.zeros(tuple(sizes[a] for a in axes), dtype) for axes in (_K_AXES, _V_AXES)))
+
+
+def transpose_keys(k: jax.Array) -> jax.Array:
+    """Head-major keys [..., S, hd] to :class:`KVCache`'s layout [..., hd, S], and back."""
+    return jnp.swapaxes(k, -1, -2)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -71,15 +95,15 @@ _SCORE_FLOOR = float(jnp.finfo(jnp.float32).min)
 def dense_causal_attention(q, k_all, v_all, q_positions, kv_positions, *, query_block: int = 512) -> jax.Array:
     """Softmax attention where a query at position p sees the keys at positions <= p.
 
-    q [B, T, Hq, hd]; k_all, v_all [B, Hkv, S, hd] (head-major, as :class:`KVCache`);
-    q_positions [B, T]; kv_positions [B, S] or [S]. Query head h uses KV head
+    q [B, T, Hq, hd]; k_all [B, Hkv, hd, S] and v_all [B, Hkv, S, hd], as one
+    layer of :class:`KVCache`; q_positions [B, T]; kv_positions [B, S] or [S]. Query head h uses KV head
     h // (Hq/Hkv), as HF's ``repeat_kv``. Scores and softmax in float32; returns
     [B, T, Hq, hd] in q's dtype. Queries go ``query_block`` at a time
     (``lax.map``), so a long prefill holds [Hq, query_block, S] scores at once,
     not [Hq, T, S].
     """
     _check_attention_shapes("dense_causal_attention", q, k_all, v_all)
-    kv_positions = jnp.broadcast_to(kv_positions, (q.shape[0], k_all.shape[2]))
+    kv_positions = jnp.broadcast_to(kv_positions, (q.shape[0], v_all.shape[2]))
 
     def attend(q, q_positions):
         _, sums, acc = jax.vmap(_softmax_partial)(q, k_all, v_all, q_positions, kv_positions)
@@ -103,7 +127,7 @@ def prefix_causal_attention(q, k_all, v_all, q_positions, *, query_block: int = 
     _check_attention_shapes("prefix_causal_attention", q, k_all, v_all)
     if key_block is not None and key_block < 1:
         raise ModelError(f"prefix_causal_attention: key_block must be >= 1 or None, got {key_block}")
-    b, s = q.shape[0], k_all.shape[2]
+    b, s = q.shape[0], v_all.shape[2]
     queries_per_kv_head = min(q.shape[1], query_block) * q.shape[2] // k_all.shape[1]
     block = min(key_block or max(SCORES_PER_BLOCK // queries_per_kv_head, 1), s)
     n_blocks = -(-s // block)
@@ -116,7 +140,8 @@ def prefix_causal_attention(q, k_all, v_all, q_positions, *, query_block: int = 
             start = jnp.minimum(j * block, s - block)
             index = start + jnp.arange(block, dtype=jnp.int32)
             kv_positions = jnp.broadcast_to(jnp.where(index >= j * block, index, never), (b, block))
-            keys, values = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=2) for x in (k_all, v_all))
+            keys = jax.lax.dynamic_slice_in_dim(k_all, start, block, axis=3)
+            values = jax.lax.dynamic_slice_in_dim(v_all, start, block, axis=2)
             m_block, sums_block, acc_block = jax.vmap(_softmax_partial)(q, keys, values, q_positions, kv_positions)
             m_new = jnp.maximum(m, m_block)
             old, new = jnp.exp(m - m_new), jnp.exp(m_block - m_new)
@@ -133,9 +158,9 @@ def prefix_causal_attention(q, k_all, v_all, q_positions, *, query_block: int = 
 
 def _check_attention_shapes(name, q, k_all, v_all) -> None:
     b, _, hq, hd = q.shape
-    if hq % k_all.shape[1] or k_all.shape != v_all.shape or k_all.shape[0] != b or k_all.shape[3] != hd:
+    if hq % v_all.shape[1] or k_all.shape != transpose_keys(v_all).shape or v_all.shape[0] != b or v_all.shape[3] != hd:
         raise ModelError(f"{name}: q {q.shape} does not fit k {k_all.shape} / v {v_all.shape} "
-                         "(expected head-major [B, Hkv, S, hd])")
+                         "(expected k [B, Hkv, hd, S] and v [B, Hkv, S, hd], as KVCache)")
 
 
 def _by_query_block(attend, q, q_positions, query_block: int):
@@ -155,24 +180,25 @@ def _by_query_block(attend, q, q_positions, query_block: int):
 def _softmax_partial(q, k, v, q_positions, kv_positions):
     """One sequence's softmax over some keys, unnormalised: (row max, row sum) [Hkv, T·G] and Σ p·v [Hkv, T·G, hd].
 
-    q [T, Hq, hd]; k, v [Hkv, S, hd]; q_positions [T]; kv_positions [S]. Scores
-    are laid out [Hkv, S, T·G], the keys' axis next to the head's as in the cache,
-    and normalised after the value contraction: on XLA CPU this reads K and V where
-    they lie. Measured against [Hkv, G, T, S] scores with jax.nn.softmax: 2.3 → 1.2
-    ms at 8k keys and T = 1, 52 → 22 ms at 64k, 508 → 286 ms for a 512-query
-    prefill block over 8k keys (SmolLM2 heads).
+    q [T, Hq, hd]; k [Hkv, hd, S], v [Hkv, S, hd] (as :class:`KVCache`);
+    q_positions [T]; kv_positions [S]. Scores are laid out [Hkv, T·G, S] and
+    normalised after the value contraction, so both contractions run along the
+    cache's minor axis. Against head-major keys with [Hkv, S, T·G] scores
+    (SmolLM2 heads, docs/results/performance.md "2026-12-02, late"): 0.38 → 0.24
+    ms at 8k keys and T = 1, 25 → 17 ms at 256k, 239 → 169 ms for a 512-query
+    prefill block over 8k keys.
     """
     t, hq, hd = q.shape
     hkv = k.shape[0]
     g = hq // hkv
     qg = q.reshape(t, hkv, g, hd).transpose(1, 0, 2, 3).reshape(hkv, t * g, hd)
-    s = jnp.einsum("hsd,hqd->hsq", k, qg, preferred_element_type=jnp.float32) / math.sqrt(hd)
-    visible = kv_positions[:, None] <= jnp.repeat(q_positions, g)[None, :]
+    s = jnp.einsum("hds,hqd->hqs", k, qg, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    visible = jnp.repeat(q_positions, g)[:, None] >= kv_positions[None, :]
     s = jnp.where(visible[None], s, _SCORE_FLOOR)
-    m = jnp.max(s, axis=1)
-    p = jnp.exp(s - m[:, None])
-    acc = jnp.einsum("hsq,hsd->hqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m, jnp.sum(p, axis=1), acc
+    m = jnp.max(s, axis=2)
+    p = jnp.exp(s - m[..., None])
+    acc = jnp.einsum("hqs,hsd->hqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m, jnp.sum(p, axis=2), acc
 
 
 def _normalise(q, sums, acc):
@@ -264,7 +290,7 @@ def forward(params: Params, config: ModelConfig, tokens, cache: KVCache | None =
 
 def _self_attention(q, k, v, positions, states, layer):
     """Dense attention over the tokens of this call only (no cache, no state)."""
-    return dense_causal_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), positions, positions), states
+    return dense_causal_attention(q, transpose_keys(k.swapaxes(1, 2)), v.swapaxes(1, 2), positions, positions), states
 
 
 def write_if(pred, write, *buffers):
@@ -281,19 +307,20 @@ def write_if(pred, write, *buffers):
 def cached_attention(q, k, v, positions, cache: KVCache, layer=None):
     """Write this call's k, v at their positions, then attend to the cache (:func:`prefix_causal_attention`).
 
-    ``cache`` is one layer's (leaves [B, Hkv, max_len, hd]; an :data:`AttentionFn`),
-    or every layer's with ``layer`` the one to use (a :data:`StackedAttentionFn`).
-    Only the new tokens are written; positions past max_len are dropped.
+    ``cache`` is one layer's (an :data:`AttentionFn`), or every layer's with
+    ``layer`` the one to use (a :data:`StackedAttentionFn`). Only the new
+    tokens are written; positions past max_len are dropped.
     """
     rows = jnp.arange(q.shape[0])[:, None]
-    at = (rows, slice(None), positions) if layer is None else (layer, rows, slice(None), positions)
+    lead = (rows,) if layer is None else (layer, rows)
+    at_k, at_v = (*lead, slice(None), slice(None), positions), (*lead, slice(None), positions)
 
     def write(cache_k, cache_v):
-        # Indexing [B,1] rows and [B,T] positions around the head slice puts them first: [B, T, Hkv, hd].
-        return (cache_k.at[at].set(k.astype(cache_k.dtype), mode="drop"),
-                cache_v.at[at].set(v.astype(cache_v.dtype), mode="drop"))
+        # Indexing [B,1] rows and [B,T] positions around the slices puts them first: [B, T, Hkv, hd].
+        return (cache_k.at[at_k].set(k.astype(cache_k.dtype), mode="drop"),
+                cache_v.at[at_v].set(v.astype(cache_v.dtype), mode="drop"))
     if layer is None:  # one layer's cache, e.g. a decode-loop carry: see write_if
-        cache = KVCache(*write_if(jnp.any(positions < cache.k.shape[2]), write, cache.k, cache.v))
+        cache = KVCache(*write_if(jnp.any(positions < cache.max_len), write, cache.k, cache.v))
     else:
         cache = KVCache(*write(cache.k, cache.v))
     layer_k, layer_v = (cache.k, cache.v) if layer is None else (
@@ -329,12 +356,13 @@ def _project(h, w, bias):
 
 
 def _check_cache(cache: KVCache, config: ModelConfig, batch: int) -> None:
-    expected = (config.num_layers, batch, config.num_kv_heads, None, config.head_dim)
-    for name, array in (("cache.k", cache.k), ("cache.v", cache.v)):
-        if array.ndim != 5 or any(e not in (None, f) for e, f in zip(expected, array.shape)):
-            raise ModelError(f"{name}: expected shape [num_layers={config.num_layers}, B={batch}, "
-                             f"num_kv_heads={config.num_kv_heads}, max_len, head_dim={config.head_dim}], "
-                             f"found {array.shape}")
+    sizes = _cache_sizes(config, batch, None)
+    for name, array, axes in (("cache.k", cache.k, _K_AXES), ("cache.v", cache.v, _V_AXES)):
+        if array.ndim != 5 or any(sizes[a] not in (None, f) for a, f in zip(axes, array.shape)):
+            expected = ", ".join(a if sizes[a] is None else f"{a}={sizes[a]}" for a in axes)
+            raise ModelError(f"{name}: expected shape [{expected}], found {array.shape}")
+    if cache.k.shape[-1] != cache.v.shape[-2]:
+        raise ModelError(f"cache.k holds {cache.k.shape[-1]} positions and cache.v {cache.v.shape[-2]}")
 
 
 def _check_stacked_states(states, num_layers: int) -> None:

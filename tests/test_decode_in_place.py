@@ -54,7 +54,8 @@ def test_stacked_and_per_layer_cached_attention_agree():
     """cached_attention on the stack (with a layer index) equals it on that layer alone."""
     rng = np.random.default_rng(0)
     b, h, g, s, hd, layers = 2, 2, 3, 16, 8, 3
-    stack = models.KVCache(*(jnp.asarray(rng.standard_normal((layers, b, h, s, hd)), jnp.float32) for _ in "kv"))
+    stack = models.KVCache(*(jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                             for shape in ((layers, b, h, hd, s), (layers, b, h, s, hd))))
     q = jnp.asarray(rng.standard_normal((b, 2, h * g, hd)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((b, 2, h, hd)), jnp.float32) for _ in "kv")
     positions = jnp.asarray([[5, 6], [9, 10]], jnp.int32)
@@ -67,7 +68,8 @@ def test_stacked_and_per_layer_cached_attention_agree():
     for other in (0, 2):
         np.testing.assert_array_equal(np.asarray(new_stack.k[other]), np.asarray(stack.k[other]))
     np.testing.assert_array_equal(np.asarray(new_one.v[0, :, 5]), np.asarray(v[0, 0]))
-    changed = np.any(np.asarray(new_one.k) != np.asarray(one.k), axis=(1, 3))  # [B, S]
+    np.testing.assert_array_equal(np.asarray(new_one.k[0, :, :, 5]), np.asarray(k[0, 0]))
+    changed = np.any(np.asarray(new_one.k) != np.asarray(one.k), axis=(1, 2))  # [B, S]
     assert changed.sum() == 4 and changed[0, 5] and changed[0, 6] and changed[1, 9] and changed[1, 10]
 
 
@@ -177,12 +179,13 @@ def test_decode_loop_copies_no_dense_layer_cache(method):
     else:
         config, _, hlo = _magicpig_loop_hlo()
     capacity = 512  # the staging cache, rounded up to whole prefill chunks
-    layer_shape = f"f32[1,{config.num_kv_heads},{capacity},{config.head_dim}]"
-    cache_arrays = _arrays_of_shape(hlo, layer_shape)
+    layer_shapes = tuple(f"f32[1,{config.num_kv_heads},{a},{b}]"
+                         for a, b in ((config.head_dim, capacity), (capacity, config.head_dim)))  # K, V
+    cache_arrays = _arrays_of_shape(hlo, *layer_shapes)
     copies = [rhs for rhs in cache_arrays if " copy(" in rhs]
     assert not copies, copies[:4]
-    stacked_shape = f"f32[{config.num_layers},{layer_shape[4:]}"
-    assert stacked_shape not in hlo
+    for layer_shape in layer_shapes:
+        assert f"f32[{config.num_layers},{layer_shape[4:]}" not in hlo  # no stacked cache
     # Each dense layer's K and V writes are there to see.
     dense_layers = config.num_layers if method == "dense" else 2
     assert sum("dynamic-update-slice" in rhs for rhs in cache_arrays) >= 2 * dense_layers

@@ -123,8 +123,12 @@ def test_forward_shape_errors():
     tokens = jnp.zeros((1, 5), jnp.int32)
     positions = jnp.zeros((1, 5), jnp.int32)
     with pytest.raises(models.ModelError,
-                       match=r"cache.k: expected shape \[num_layers=2, B=1, num_kv_heads=2, max_len, .*found \(2, 3, 2, 16, 8\)"):
+                       match=r"cache.k: expected shape \[num_layers=2, B=1, num_kv_heads=2, head_dim=8, max_len\], "
+                             r"found \(2, 3, 2, 8, 16\)"):
         models.forward(params, CONFIG, tokens, models.init_cache(CONFIG, 3, 16))
+    with pytest.raises(models.ModelError, match="cache.k holds 16 positions and cache.v 24"):
+        models.forward(params, CONFIG, tokens, models.KVCache(k=models.init_cache(CONFIG, 1, 16).k,
+                                                              v=models.init_cache(CONFIG, 1, 24).v))
     with pytest.raises(models.ModelError, match="attention: expected a callable or a sequence of 2 callables"):
         models.forward_hidden(params, CONFIG, tokens, positions, (None,), (lambda *a: a,))
     with pytest.raises(models.ModelError, match=r"states\['k'\]: expected a leading num_layers axis of 2, "

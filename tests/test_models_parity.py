@@ -108,7 +108,7 @@ def test_per_layer_callables_match_scan(build_reference):
 
     def attention(q, k, v, pos, state):
         calls.append(q.shape)
-        return models.dense_causal_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), pos, pos), state + 1
+        return models.dense_causal_attention(q, *_as_cache(k, v), pos, pos), state + 1
 
     def stacked_attention(q, k, v, pos, states, layer):
         out, _ = attention(q, k, v, pos, 0)
@@ -198,7 +198,7 @@ def test_bfloat16_params_compute_in_bfloat16(build_reference):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
     def self_attention(q, k, v, pos, states, layer):
-        return models.dense_causal_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), pos, pos), states
+        return models.dense_causal_attention(q, *_as_cache(k, v), pos, pos), states
 
     hidden, _ = jax.jit(models.forward_hidden, static_argnums=(1, 5))(
         params, config, tokens, positions, (), self_attention)
@@ -229,8 +229,9 @@ def _attention_inputs(t, s, offsets, seed=0):
     return q, k, v, q_pos
 
 
-def _head_major(x):
-    return jnp.asarray(x.swapaxes(1, 2))  # the cache's layout
+def _as_cache(k, v):
+    """Position-major keys and values [B, S, Hkv, hd] in models.KVCache's layout."""
+    return models.transpose_keys(jnp.asarray(k).swapaxes(1, 2)), jnp.asarray(v).swapaxes(1, 2)
 
 
 # (query_block, key_block): one block each; queries blocked; keys blocked with a
@@ -243,9 +244,9 @@ def test_causal_attention_matches_numpy_reference(query_block, key_block):
     """
     q, k, v, q_pos = _attention_inputs(t=37, s=45, offsets=(3, 8))
     expected = _reference_attention(q, k, v, q_pos)
-    dense = models.dense_causal_attention(jnp.asarray(q), _head_major(k), _head_major(v), jnp.asarray(q_pos),
+    dense = models.dense_causal_attention(jnp.asarray(q), *_as_cache(k, v), jnp.asarray(q_pos),
                                           jnp.arange(45, dtype=jnp.int32), query_block=query_block)
-    prefix = models.prefix_causal_attention(jnp.asarray(q), _head_major(k), _head_major(v), jnp.asarray(q_pos),
+    prefix = models.prefix_causal_attention(jnp.asarray(q), *_as_cache(k, v), jnp.asarray(q_pos),
                                             query_block=query_block, key_block=key_block)
     np.testing.assert_allclose(np.asarray(dense), expected, rtol=0, atol=1e-5)
     np.testing.assert_allclose(np.asarray(prefix), expected, rtol=0, atol=1e-5)
@@ -256,7 +257,7 @@ def test_prefix_causal_attention_reads_no_block_past_the_last_query():
     q, k, v, q_pos = _attention_inputs(t=9, s=45, offsets=(0, 12))  # last position 20: blocks of 8 → keys 0..23
     expected = _reference_attention(q, k[:, :24], v[:, :24], q_pos)
     k[:, 24:], v[:, 24:] = np.nan, np.nan
-    out = models.prefix_causal_attention(jnp.asarray(q), _head_major(k), _head_major(v), jnp.asarray(q_pos),
+    out = models.prefix_causal_attention(jnp.asarray(q), *_as_cache(k, v), jnp.asarray(q_pos),
                                          key_block=8)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=0, atol=1e-5)
 
@@ -264,7 +265,7 @@ def test_prefix_causal_attention_reads_no_block_past_the_last_query():
 def test_prefix_causal_attention_rejects_an_empty_key_block():
     q, k, v, q_pos = _attention_inputs(t=3, s=8, offsets=(0,))
     with pytest.raises(models.ModelError, match="key_block must be >= 1"):
-        models.prefix_causal_attention(jnp.asarray(q), _head_major(k), _head_major(v), jnp.asarray(q_pos), key_block=0)
+        models.prefix_causal_attention(jnp.asarray(q), *_as_cache(k, v), jnp.asarray(q_pos), key_block=0)
 
 
 def _hf_greedy(model, prompt, new_tokens, eos_ids):
