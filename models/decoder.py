@@ -40,9 +40,9 @@ class KVCache:
     columns); every layer's cache has a leading num_layers axis on both. Laid
     out so that both of a decode step's contractions run along the cache's
     minor axis and read it where it lies: with keys head-major too, XLA CPU's
-    q·Kᵀ ran at a third of the read bandwidth and the dense step took 1.2–1.5×
-    as long (docs/results/performance.md, "2026-12-02, late"). A position-major
-    cache made XLA transpose K and V on every step.
+    q·Kᵀ read under half the bandwidth and a decode step took 1.5–1.9× as long
+    (docs/results/performance.md, "2026-12-02, latest"). A position-major cache
+    made XLA transpose K and V on every step.
     """
 
     k: jax.Array
@@ -184,7 +184,7 @@ def _softmax_partial(q, k, v, q_positions, kv_positions):
     q_positions [T]; kv_positions [S]. Scores are laid out [Hkv, T·G, S] and
     normalised after the value contraction, so both contractions run along the
     cache's minor axis. Against head-major keys with [Hkv, S, T·G] scores
-    (SmolLM2 heads, docs/results/performance.md "2026-12-02, late"): 0.38 → 0.24
+    (SmolLM2 heads, docs/results/performance.md "2026-12-02, latest"): 0.38 → 0.24
     ms at 8k keys and T = 1, 25 → 17 ms at 256k, 239 → 169 ms for a 512-query
     prefill block over 8k keys.
     """
