@@ -13,10 +13,10 @@ from models.decoder import (
     forward,
     forward_hidden,
     init_cache,
-    transpose_keys,
     lm_head,
     prefix_causal_attention,
     rms_norm,
+    transpose_keys,
     write_if,
 )
 from models.errors import ModelError, ModelNotFoundError
@@ -29,6 +29,6 @@ from models.tokenizer import Tokenizer
 __all__ = [
     "KVCache", "cached_attention", "LayerParams", "ModelConfig", "ModelError", "ModelNotFoundError", "Params", "Tokenizer",
     "default_model_path", "dense_causal_attention", "forward", "forward_hidden", "init_cache", "init_params",
-    "transpose_keys", "lm_head", "load", "load_gguf", "load_hf", "param_shapes", "prefix_causal_attention", "restore",
-    "rms_norm", "save", "layers_are_split", "unstack_layers", "write_if",
+    "lm_head", "load", "load_gguf", "load_hf", "param_shapes", "prefix_causal_attention", "restore", "rms_norm", "save",
+    "layers_are_split", "transpose_keys", "unstack_layers", "write_if",
 ]

@@ -158,7 +158,8 @@ def prefix_causal_attention(q, k_all, v_all, q_positions, *, query_block: int = 
 
 def _check_attention_shapes(name, q, k_all, v_all) -> None:
     b, _, hq, hd = q.shape
-    if hq % v_all.shape[1] or k_all.shape != transpose_keys(v_all).shape or v_all.shape[0] != b or v_all.shape[3] != hd:
+    keys_shape = (*v_all.shape[:-2], v_all.shape[-1], v_all.shape[-2])  # V's with the last two axes swapped
+    if hq % v_all.shape[1] or k_all.shape != keys_shape or v_all.shape[0] != b or v_all.shape[3] != hd:
         raise ModelError(f"{name}: q {q.shape} does not fit k {k_all.shape} / v {v_all.shape} "
                          "(expected k [B, Hkv, hd, S] and v [B, Hkv, S, hd], as KVCache)")
 
