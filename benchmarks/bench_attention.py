@@ -24,6 +24,8 @@ nor drop it.
   pinned_host memory), the state threaded through the loop as generate()
   does: append, the method's select, the host gather, the correction,
   attention over the selection, the exact sink + window partial and the merge.
+  ``pariskv-100-native`` (run only when ``--methods`` names it) is ParisKV
+  top-100 with its selection in ``jaxkv.native``'s CPU kernels.
 - flush: the move of U window rows into retrieval and the index, timed alone
   in the same way (the lengths put back each iteration). generate() runs it
   once every U steps; the step loop keeps the window from filling, and the
@@ -92,6 +94,8 @@ METHODS = {
     "magicpig": ("magicpig K10L150", magicpig, magicpig.MagicPIGConfig()),
     "pariskv-100": ("pariskv top100", pariskv, pariskv.ParisKVConfig(top_k=100)),
     "pariskv-2048": ("pariskv top2048", pariskv, pariskv.ParisKVConfig(top_k=2048)),
+    # The same selection in jaxkv.native's CPU kernels (not in the default run: AVX-512 only).
+    "pariskv-100-native": ("pariskv top100 native", pariskv, pariskv.ParisKVConfig(top_k=100, kernels="native")),
 }
 
 
@@ -495,8 +499,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: SmolLM2 shape, N = 8k and 16k")
     parser.add_argument("--sizes", type=int, nargs="+", help="key counts N (default 16k 64k 256k 1M)")
     parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], help="head shapes (default both)")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
-                        help="sparse methods (dense always runs: every ratio is to it)")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS),
+                        default=[name for name in METHODS if not name.endswith("-native")],
+                        help="sparse methods (dense always runs: every ratio is to it); "
+                             "the *-native ones only when named")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--loop-steps", type=int, default=8,
                         help="iterations of one timed loop (and twice as many): see the module docstring")

@@ -1,6 +1,7 @@
 """Decode speed vs context length on SmolLM2: dense vs sparse methods, one run.
 
     python benchmarks/bench_decode.py [--contexts 2048 4096 8000] [--new-tokens 32] [--out results/bench_decode.json]
+                                      [--no-transformers] [--native]
 
 For each context one prompt (real Wikipedia text) is prefilled once and shared
 by every method; each method then decodes `new-tokens` tokens twice — the first
@@ -28,10 +29,16 @@ from pathlib import Path
 import jax
 
 
-def methods():
+def methods(native: bool = False) -> dict:
+    """row name → (generate()'s method, its config); with native, ParisKV's selection in
+    jaxkv.native's CPU kernels as one more row."""
     from jaxkv.attention import magicpig, pariskv
 
-    return {"dense": None, "magicpig": magicpig.MagicPIGConfig(), "pariskv": pariskv.ParisKVConfig()}
+    rows = {"dense": (None, None), "magicpig": ("magicpig", magicpig.MagicPIGConfig()),
+            "pariskv": ("pariskv", pariskv.ParisKVConfig())}
+    if native:
+        rows["pariskv-native"] = ("pariskv", pariskv.ParisKVConfig(kernels="native"))
+    return rows
 
 
 def transformers_decode(ids, new_tokens: int) -> dict:
@@ -63,6 +70,8 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", default="results/bench_decode.json")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers reference row")
+    parser.add_argument("--native", action="store_true",
+                        help="add a row for ParisKV with kernels='native' (jaxkv.native's CPU kernels)")
     args = parser.parse_args(argv)
 
     import jaxkv
@@ -80,8 +89,8 @@ def main(argv=None):
         _, ids = text.long_text(tokenizer, n)
         ids = list(ids[:n])
         shared = jaxkv.prefill_prompts(params, config, [ids], capacity=n + args.new_tokens)
-        for name, mcfg in methods().items():
-            kwargs = {} if mcfg is None else dict(method=name, method_config=mcfg,
+        for name, (method, mcfg) in methods(args.native).items():
+            kwargs = {} if mcfg is None else dict(method=method, method_config=mcfg,
                                                    cache_config=CacheConfig(dense_threshold=0))
             run = lambda: jaxkv.generate(params, config, None, max_new_tokens=args.new_tokens, eos_ids=(),
                                          prefilled=shared, **kwargs)

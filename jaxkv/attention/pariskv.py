@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import native
 from jaxkv.attention import common, rsq
 from pallas_kernels import dispatch
 
@@ -49,8 +50,9 @@ LENGTH_ADAPTIVE_RATIOS = (
 )
 MAX_M = 8  # bucket ids are uint8 and the vote table has 2^m columns
 # cfg.kernels → pallas_kernels.dispatch's use_kernel: None = the kernel iff the
-# backend is a GPU; "interpret" runs the kernel in Pallas interpret mode (CPU tests).
-KERNEL_MODES = {"auto": None, "xla": False, "pallas": True, "interpret": True}
+# backend is a GPU; "interpret" runs the kernel in Pallas interpret mode (CPU tests);
+# "native" runs the selection in jaxkv.native's CPU kernels (XLA for the rest).
+KERNEL_MODES = {"auto": None, "xla": False, "pallas": True, "interpret": True, "native": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,9 @@ class ParisKVConfig:
 
     kernels: "auto" (Pallas kernels iff the backend is a GPU), "xla" (never),
     "pallas" (always, compiled) or "interpret" (always, Pallas interpret mode)
-    for the coarse vote, the rerank and the cache's gather-attention.
+    for the coarse vote, the rerank and the cache's gather-attention; "native":
+    the coarse vote and the rerank in ``jaxkv.native``'s CPU kernels (m = 8,
+    d ≤ 128, an AVX-512 CPU and a C++ compiler), the rest in XLA.
     """
 
     m: int = 8
@@ -90,6 +94,8 @@ class ParisKVConfig:
             raise ValueError(f"ParisKVConfig.dense_layers must be a tuple, got {self.dense_layers!r}")
         if not isinstance(self.kernels, str) or self.kernels not in KERNEL_MODES:
             raise ValueError(f"ParisKVConfig.kernels must be one of {tuple(KERNEL_MODES)}, got {self.kernels!r}")
+        if self.kernels == "native" and self.m != 8:
+            raise ValueError(f"ParisKVConfig.kernels='native' needs m=8, got m={self.m}")
 
     def kernel_options(self) -> dict:
         """Keyword arguments selecting the path of a ``pallas_kernels.dispatch`` call."""
@@ -98,6 +104,10 @@ class ParisKVConfig:
     def uses_kernels(self) -> bool:
         """Whether this config runs the Pallas kernels on the current backend."""
         return dispatch.kernel_path(**self.kernel_options())
+
+    def uses_native(self) -> bool:
+        """Whether the selection runs in ``jaxkv.native``'s CPU kernels."""
+        return self.kernels == "native"
 
 
 @jax.tree_util.register_dataclass
@@ -271,17 +281,26 @@ def _pattern_signs(m: int) -> np.ndarray:
     return (2 * bits - 1).astype(np.float32)
 
 
+def pattern_scores_and_caps(cfg: ParisKVConfig, q_rot: jax.Array, n, capacity: int):
+    """The vote table's inputs: (scores float32 [B, 2^m] ∝ ⟨centroid, q_b⟩ of every sign
+    pattern, tier caps float32 [N_TIERS] in keys).
+
+    q_rot [P] the rotated query; n the valid keys; capacity (static) picks the
+    length-adaptive collision ratio.
+    """
+    _, collision_ratio = resolve_ratios(cfg, capacity)
+    q_blocks = q_rot.astype(jnp.float32).reshape(-1, cfg.m)
+    scores = jnp.matmul(q_blocks, jnp.asarray(_pattern_signs(cfg.m).T), precision=jax.lax.Precision.HIGHEST)
+    return scores, n * collision_ratio * jnp.asarray(TIER_FRACTIONS, jnp.float32)
+
+
 def vote_table(cfg: ParisKVConfig, q_rot: jax.Array, n, bucket_counts: jax.Array,
                capacity: int) -> jax.Array:
     """Votes per subspace per sign pattern, int32 [B, 2^m]: the coarse stage's LUT.
 
-    q_rot [P] the rotated query; n the valid keys; bucket_counts [B, 2^m] keys
-    per bucket; capacity (static) picks the length-adaptive collision ratio.
+    bucket_counts [B, 2^m] keys per bucket; the rest as :func:`pattern_scores_and_caps`.
     """
-    _, collision_ratio = resolve_ratios(cfg, capacity)
-    q_blocks = q_rot.astype(jnp.float32).reshape(-1, cfg.m)
-    pattern_scores = jnp.matmul(q_blocks, jnp.asarray(_pattern_signs(cfg.m).T),
-                                precision=jax.lax.Precision.HIGHEST)  # ∝ ⟨centroid, q_b⟩
+    pattern_scores, caps = pattern_scores_and_caps(cfg, q_rot, n, capacity)
     # covered[b, p]: keys in the buckets ranked at or before p (score descending, ties
     # to the lower pattern) — a comparison matrix times the counts, not an argsort
     # (XLA CPU's sort of the 2^m patterns cost ≈ 0.8 ms per step for 3 heads at any N).
@@ -292,7 +311,6 @@ def vote_table(cfg: ParisKVConfig, q_rot: jax.Array, n, bucket_counts: jax.Array
     at_or_before = (score_q > score_p) | ((score_q == score_p) & (patterns[None, :] <= patterns[:, None]))
     covered = jnp.einsum("bpq,bq->bp", at_or_before.astype(jnp.int32), bucket_counts,
                          preferred_element_type=jnp.int32)
-    caps = n * collision_ratio * jnp.asarray(TIER_FRACTIONS, jnp.float32)
     tier = jnp.sum(covered[..., None] > caps, axis=-1)  # caps passed = tiers skipped
     return jnp.maximum(N_TIERS - tier, 0).astype(jnp.int32)
 
@@ -319,6 +337,8 @@ def _query(cfg: ParisKVConfig, q: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _rerank(cfg, index, q_rot, q_norm, candidate_idx):
     _, centres = _levels(cfg)
+    if cfg.uses_native():  # reads the candidates' rows in place: no gathered copy
+        return native.rerank(index.codes, q_rot, q_norm, centres, candidate_idx)
     rows = jax.tree.map(lambda x: x[candidate_idx], index.codes)
     if cfg.uses_kernels():
         # The kernel reads 4-bit nibbles and f32 weights: the candidates' rows are
@@ -406,6 +426,9 @@ def _kernel_candidates(cfg, index, q_rot, count):
 def _coarse_candidates(cfg, index, q_rot):
     capacity, b = index.signs.shape
     count = n_candidates(cfg, capacity)
+    if cfg.uses_native():  # the vote table is ranked in the kernel too
+        scores, caps = pattern_scores_and_caps(cfg, q_rot, index.n, capacity)
+        return native.coarse_rows(index.signs, scores, index.bucket_counts, caps, index.n, count)
     if cfg.uses_kernels():
         return _kernel_candidates(cfg, index, q_rot, count)
     return most_voted_rows(coarse_votes(cfg, index, q_rot), count, N_TIERS * b)
@@ -422,7 +445,8 @@ def ranked_candidates(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array):
     candidates = _coarse_candidates(cfg, index, q_rot)
     valid = candidates < index.n
     estimate = jnp.where(valid, _rerank(cfg, index, q_rot, q_norm, candidates), -jnp.inf)
-    return candidates, valid, top_indices(estimate, n_retrieved(cfg, index.signs.shape[0]))
+    top = native.top_k if cfg.uses_native() else top_indices
+    return candidates, valid, top(estimate, n_retrieved(cfg, index.signs.shape[0]))
 
 
 def _retrieve(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array):

@@ -1,0 +1,133 @@
+"""CPU kernels for ParisKV's selection, as XLA FFI custom calls (``pariskv_cpu.cc``).
+
+The library is compiled on first use with the system C++ compiler against the XLA
+FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 with VBMI),
+cached under ``$JAXKV_NATIVE_CACHE`` (default ``~/.cache/jaxkv/native``) by a
+digest of the source, the compiler command and this CPU, and registered with
+``jax.ffi`` for the CPU platform. :func:`available` says whether that worked;
+``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage and rerank in them.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = pathlib.Path(__file__).with_name("pariskv_cpu.cc")
+TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "PariskvRerank",
+           "jaxkv_top_k": "TopK"}
+
+
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi")  # byte permutes for the votes
+
+
+class NativeUnavailable(RuntimeError):
+    """The CPU kernels could not be built or loaded here (the message says why)."""
+
+
+def _compile_command(output: pathlib.Path) -> list[str]:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise NativeUnavailable("no C++ compiler found (set CXX)")
+    return [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+            f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(output)]
+
+
+def _cpu_flags() -> str:
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line for line in lines if line.startswith("flags")), platform.processor())
+
+
+def _library_path() -> pathlib.Path:
+    cache = pathlib.Path(os.environ.get("JAXKV_NATIVE_CACHE", pathlib.Path.home() / ".cache" / "jaxkv" / "native"))
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(_compile_command(pathlib.Path("x"))).encode(),
+                 _cpu_flags().encode(), jax.__version__.encode()):
+        digest.update(part)
+    path = cache / f"pariskv_cpu-{digest.hexdigest()[:16]}.so"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, moved in whole
+            built = pathlib.Path(tmp) / path.name
+            result = subprocess.run(_compile_command(built), capture_output=True, text=True)
+            if result.returncode != 0:
+                raise NativeUnavailable(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
+            os.replace(built, path)
+    return path
+
+
+@functools.cache
+def _load() -> None:
+    flags = _cpu_flags().split()
+    if platform.machine() not in ("x86_64", "AMD64") or not all(f in flags for f in REQUIRED_CPU_FLAGS):
+        raise NativeUnavailable(f"the CPU kernels need an x86-64 CPU with {', '.join(REQUIRED_CPU_FLAGS)}")
+    library = ctypes.cdll.LoadLibrary(str(_library_path()))
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+
+
+def available() -> bool:
+    """Whether the CPU kernels are built and registered (building them if needed)."""
+    try:
+        _load()
+    except NativeUnavailable:
+        return False
+    return True
+
+
+def coarse_rows(signs: jax.Array, scores: jax.Array, bucket_counts: jax.Array, caps: jax.Array, n,
+                count: int) -> jax.Array:
+    """``pariskv.most_voted_rows(coarse_votes(...), count, ...)``, the vote table included:
+    int32 [..., count].
+
+    signs uint8 [..., cap, B]; scores float32 [..., B, 256] and caps float32 [..., tiers]
+    from ``pariskv.pattern_scores_and_caps``; bucket_counts int32 [..., B, 256]; n [...]
+    the valid rows. Leading axes are batch axes (here and in every function of this module).
+    """
+    _load()
+    batch = signs.shape[:-2]
+    call = jax.ffi.ffi_call("jaxkv_pariskv_coarse", jax.ShapeDtypeStruct((*batch, count), jnp.int32),
+                            vmap_method="broadcast_all")
+    return call(signs, scores.astype(jnp.float32), bucket_counts.astype(jnp.int32), caps.astype(jnp.float32),
+                jnp.broadcast_to(jnp.asarray(n, jnp.int32), batch))
+
+
+def rerank(codes, q_rot: jax.Array, q_norm, centres, rows: jax.Array) -> jax.Array:
+    """``rsq.estimate`` of code rows ``rows`` [..., C] (m = 8): float32 [..., C], read in place.
+
+    codes: ``rsq.RSQCodes`` with leaves [..., cap, ...]; q_rot [..., P], q_norm [...].
+    """
+    p = q_rot.shape[-1]
+    if p not in (16, 32, 64, 128) or codes.signs.shape[-1] * 8 != p:
+        raise ValueError(f"jaxkv.native's rerank needs m = 8 and a padded dimension P in (16, 32, 64, 128), "
+                         f"got P = {p} with {codes.signs.shape[-1]} sign bytes per key")
+    _load()
+    call = jax.ffi.ffi_call("jaxkv_pariskv_rerank", jax.ShapeDtypeStruct(rows.shape, jnp.float32),
+                            vmap_method="broadcast_all")
+    batch = codes.signs.shape[:-2]
+    return call(codes.signs, codes.magnitudes, codes.scale, codes.weight_codes, q_rot.astype(jnp.float32),
+                jnp.broadcast_to(jnp.asarray(q_norm, jnp.float32), batch),
+                jnp.broadcast_to(jnp.asarray(centres, jnp.float32), (*batch, 8)), rows.astype(jnp.int32))
+
+
+def top_k(values: jax.Array, k: int) -> jax.Array:
+    """Positions [..., k] of the k largest of values [..., C] (float32, no NaN), largest
+    first, ties to the lower position: ``lax.top_k(values, k)[1]`` in one pass."""
+    _load()
+    if not 1 <= k <= values.shape[-1]:
+        raise ValueError(f"top_k: need 1 <= k <= {values.shape[-1]}, got k = {k}")
+    call = jax.ffi.ffi_call("jaxkv_top_k", jax.ShapeDtypeStruct((*values.shape[:-1], k), jnp.int32),
+                            vmap_method="broadcast_all")
+    return call(values.astype(jnp.float32))

@@ -1,0 +1,413 @@
+// ParisKV's selection on the CPU as XLA FFI handlers (jaxkv/native/__init__.py builds
+// and registers them). They compute what jaxkv.attention.pariskv computes in XLA:
+//   - pariskv_coarse: most_voted_rows(coarse_votes(...)), the vote table included: the
+//     `count` rows with the most votes, ties to the lower row, in ascending row order
+//     (the same rows, exactly);
+//   - pariskv_rerank: rsq.estimate of the candidates' code rows (the same value up to
+//     float32 summation order).
+// XLA CPU runs the votes as int32 gathers, and the estimate as seven selects per
+// coordinate over gathered copies of the rows. Here the vote table is bytes: at m = 8
+// and B = 8, 64 rows' votes take 16 byte permutes (AVX-512 VBMI); the estimate reads
+// each row in place with one 16-entry permute per 16 coordinates. Rows are split over
+// the cores. Every leading axis of the arguments is a batch axis (vmap, broadcast_all).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kPatterns = 256;    // m = 8: a bucket id is one byte
+constexpr int kMagnitudeBits = 3;  // rsq.MAGNITUDE_BITS
+constexpr int kMaxVote = 255;      // votes + 1 are kept in a byte
+
+int64_t product(ffi::Span<const int64_t> dims, size_t begin, size_t end) {
+  int64_t p = 1;
+  for (size_t i = begin; i < end; ++i) p *= dims[i];
+  return p;
+}
+
+// How many contiguous parts parallel_rows splits n rows into: one per core, at least
+// kMinRows rows each (a step is a few ms, so starting threads per call is cheap).
+int64_t row_parts(int64_t n) {
+  constexpr int64_t kMinRows = 8192;
+  return std::clamp<int64_t>(n / kMinRows, 1, std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// fn(part, begin, end) for each of the row_parts(n) parts of [0, n), each on its own thread.
+template <typename Fn>
+void parallel_rows(int64_t n, Fn fn) {
+  const int64_t parts = row_parts(n);
+  std::vector<std::thread> threads;
+  for (int64_t i = 1; i < parts; ++i) threads.emplace_back(fn, i, n * i / parts, n * (i + 1) / parts);
+  fn(int64_t{0}, int64_t{0}, n / parts);
+  for (auto& t : threads) t.join();
+}
+
+// ---------------------------------------------------------------- coarse stage
+
+// Each key's votes + 1 in a byte (0 for rows >= n). The vote table is bytes too (a key
+// earns at most 254 votes).
+using ByteTable = std::vector<uint8_t>;  // [B, 256]
+
+// Rows [begin, end) one at a time; the table stays in L1.
+void vote_rows(const uint8_t* signs, int64_t begin, int64_t end, int64_t n_sub, const ByteTable& lut,
+               uint8_t* votes) {
+  for (int64_t r = begin; r < end; ++r) {
+    const uint8_t* row = signs + r * n_sub;
+    unsigned v = 1;
+    for (int64_t b = 0; b < n_sub; ++b) v += lut[b * kPatterns + row[b]];
+    votes[r] = static_cast<uint8_t>(v);
+  }
+}
+
+// B = 8: 64 rows at a time. Their 512 sign bytes are transposed so that one register
+// holds subspace b of all 64 rows; the 256-byte table of subspace b is four registers,
+// read by two 128-entry byte permutes and a blend on the pattern's top bit.
+struct VoteTable8 {
+  __m512i part[8][4];
+  explicit VoteTable8(const ByteTable& lut) {
+    for (int b = 0; b < 8; ++b)
+      for (int i = 0; i < 4; ++i) part[b][i] = _mm512_loadu_si512(lut.data() + b * kPatterns + 64 * i);
+  }
+};
+
+// 64 rows × 8 sign bytes in; out t[b], whose byte i is subspace b of row i.
+void transpose_signs(const uint8_t* rows, __m512i t[8]) {
+  alignas(64) static constexpr uint8_t kByteOrder[64] = {  // [row j][b] → [b][row j] within 8 rows
+      0, 8, 16, 24, 32, 40, 48, 56, 1, 9, 17, 25, 33, 41, 49, 57, 2, 10, 18, 26, 34, 42, 50, 58,
+      3, 11, 19, 27, 35, 43, 51, 59, 4, 12, 20, 28, 36, 44, 52, 60, 5, 13, 21, 29, 37, 45, 53, 61,
+      6, 14, 22, 30, 38, 46, 54, 62, 7, 15, 23, 31, 39, 47, 55, 63};
+  const __m512i order = _mm512_load_si512(kByteOrder);
+  __m512i r[8], a[8], q[8];
+  for (int k = 0; k < 8; ++k)  // r[k] qword b = subspace b of rows 8k … 8k+7
+    r[k] = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(rows + 64 * k));
+  // An 8×8 transpose of qwords: a[k][b] = r[b][k] … in three exchange stages.
+  for (int k = 0; k < 8; k += 2) {
+    a[k] = _mm512_unpacklo_epi64(r[k], r[k + 1]);
+    a[k + 1] = _mm512_unpackhi_epi64(r[k], r[k + 1]);
+  }
+  const __m512i low2 = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), high2 = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  for (int base : {0, 4})
+    for (int k = 0; k < 2; ++k) {
+      q[base + k] = _mm512_permutex2var_epi64(a[base + k], low2, a[base + k + 2]);
+      q[base + k + 2] = _mm512_permutex2var_epi64(a[base + k], high2, a[base + k + 2]);
+    }
+  const __m512i low4 = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), high4 = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_permutex2var_epi64(q[k], low4, q[k + 4]);
+    t[k + 4] = _mm512_permutex2var_epi64(q[k], high4, q[k + 4]);
+  }
+}
+
+void vote_blocks8(const uint8_t* signs, int64_t begin, int64_t end, const VoteTable8& table, uint8_t* votes) {
+  for (int64_t r = begin; r < end; r += 64) {
+    __m512i t[8];
+    transpose_signs(signs + r * 8, t);
+    __m512i v = _mm512_set1_epi8(1);
+    for (int b = 0; b < 8; ++b) {
+      const __m512i low = _mm512_permutex2var_epi8(table.part[b][0], t[b], table.part[b][1]);
+      const __m512i high = _mm512_permutex2var_epi8(table.part[b][2], t[b], table.part[b][3]);
+      v = _mm512_add_epi8(v, _mm512_mask_blend_epi8(_mm512_movepi8_mask(t[b]), low, high));
+    }
+    _mm512_storeu_si512(votes + r, v);
+  }
+}
+
+// How many of votes[0, cap) are >= t.
+int64_t count_at_least(const uint8_t* votes, int64_t cap, int t) {
+  const __m512i threshold = _mm512_set1_epi8(static_cast<char>(t));
+  int64_t total = 0;
+  for (int64_t base = 0; base < cap; base += 64) {
+    const __mmask64 in_range = cap - base >= 64 ? ~0ull : (1ull << (cap - base)) - 1;
+    total += __builtin_popcountll(
+        _mm512_mask_cmpge_epu8_mask(in_range, _mm512_maskz_loadu_epi8(in_range, votes + base), threshold));
+  }
+  return total;
+}
+
+// pariskv.vote_table from its inputs: per subspace the patterns ranked by score
+// (descending, ties to the lower pattern); a pattern gets n_tiers − (tier caps its
+// cumulative key count exceeds) votes, at least 0. The comparisons are the XLA path's
+// (count as float32 against the float32 caps), so the table is the same.
+ByteTable vote_table(const float* scores, const int32_t* counts, int64_t n_sub, const float* caps,
+                     int64_t n_tiers) {
+  ByteTable lut(n_sub * kPatterns);
+  std::array<int32_t, kPatterns> order;
+  for (int64_t b = 0; b < n_sub; ++b) {
+    const float* score = scores + b * kPatterns;
+    for (int i = 0; i < kPatterns; ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [score](int32_t x, int32_t y) {
+      return score[x] > score[y] || (score[x] == score[y] && x < y);
+    });
+    int32_t covered = 0;
+    for (int32_t pattern : order) {
+      covered += counts[b * kPatterns + pattern];
+      int64_t passed = 0;
+      for (int64_t t = 0; t < n_tiers; ++t) passed += static_cast<float>(covered) > caps[t];
+      lut[b * kPatterns + pattern] = static_cast<uint8_t>(std::max<int64_t>(n_tiers - passed, 0));
+    }
+  }
+  return lut;
+}
+
+// Rows [count] of one head: every row voting above the threshold t and the lowest rows
+// at t. Rows >= n vote -1 (stored as 0), so with n < count the rows n, n+1, … fill in.
+void coarse_head(const uint8_t* signs, int64_t cap, int64_t n_sub, const ByteTable& lut, int64_t n,
+                 int64_t count, uint8_t* votes, int32_t* out) {
+  n = std::clamp<int64_t>(n, 0, cap);
+  if (n_sub == 8) {
+    const VoteTable8 table8(lut);
+    const int64_t blocks = n / 64;
+    parallel_rows(blocks, [&](int64_t, int64_t begin, int64_t end) {
+      vote_blocks8(signs, 64 * begin, 64 * end, table8, votes);
+    });
+    vote_rows(signs, 64 * blocks, n, n_sub, lut, votes);
+  } else {
+    parallel_rows(n, [&](int64_t, int64_t begin, int64_t end) { vote_rows(signs, begin, end, n_sub, lut, votes); });
+  }
+  std::memset(votes + n, 0, cap - n);
+  // t: the largest value with at least `count` rows at or above it (bisection).
+  int lo = 0, hi = kMaxVote + 1;  // count_at_least(lo) >= count > count_at_least(hi)
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    (count_at_least(votes, cap, mid) >= count ? lo : hi) = mid;
+  }
+  const int t = lo;
+  const int64_t above = t == kMaxVote ? 0 : count_at_least(votes, cap, t + 1);
+  // 64 rows at a time: a mask of the rows above t and of the first ties still wanted.
+  int64_t ties = count - above, k = 0;
+  const __m512i threshold = _mm512_set1_epi8(static_cast<char>(t));
+  for (int64_t base = 0; base < cap; base += 64) {
+    const __mmask64 in_range = cap - base >= 64 ? ~0ull : (1ull << (cap - base)) - 1;
+    const __m512i v = _mm512_maskz_loadu_epi8(in_range, votes + base);
+    uint64_t keep = _mm512_mask_cmpgt_epu8_mask(in_range, v, threshold);
+    uint64_t tie = _mm512_mask_cmpeq_epu8_mask(in_range, v, threshold);
+    for (; tie != 0 && ties > 0; --ties, tie &= tie - 1) keep |= tie & -tie;
+    for (; keep != 0; keep &= keep - 1) out[k++] = static_cast<int32_t>(base + __builtin_ctzll(keep));
+  }
+}
+
+ffi::Error coarse(ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> counts,
+                  ffi::Buffer<ffi::F32> caps, ffi::Buffer<ffi::S32> n, ffi::ResultBuffer<ffi::S32> out) {
+  const auto sd = signs.dimensions(), od = out->dimensions();
+  if (sd.size() < 2 || od.size() != sd.size() - 1)
+    return ffi::Error::InvalidArgument("pariskv_coarse: signs [..., cap, B], out [..., C]");
+  const int64_t cap = sd[sd.size() - 2], n_sub = sd.back(), count = od.back();
+  const int64_t batch = product(sd, 0, sd.size() - 2), n_tiers = caps.dimensions().back();
+  if (scores.element_count() != batch * n_sub * kPatterns || counts.element_count() != batch * n_sub * kPatterns ||
+      caps.element_count() != batch * n_tiers || n.element_count() != batch || product(od, 0, od.size() - 1) != batch)
+    return ffi::Error::InvalidArgument(
+        "pariskv_coarse: scores, counts [..., B, 256], caps [..., tiers], n [...] must match signs [..., cap, B]");
+  if (count < 1 || count > cap) return ffi::Error::InvalidArgument("pariskv_coarse: need 1 <= C <= cap");
+  if (n_tiers * n_sub >= kMaxVote)
+    return ffi::Error::InvalidArgument("pariskv_coarse: a key's votes (tiers × B) must stay below 255");
+  std::vector<uint8_t> votes(cap);
+  for (int64_t h = 0; h < batch; ++h) {
+    const ByteTable lut = vote_table(scores.typed_data() + h * n_sub * kPatterns,
+                                     counts.typed_data() + h * n_sub * kPatterns, n_sub,
+                                     caps.typed_data() + h * n_tiers, n_tiers);
+    coarse_head(signs.typed_data() + h * cap * n_sub, cap, n_sub, lut, n.typed_data()[h], count, votes.data(),
+                out->typed_data() + h * count);
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------- rerank
+
+float bf16_to_f32(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+// One row's estimate. m = 8, so coordinates 16c … 16c+15 are the bits of bytes 2c and
+// 2c+1 of the sign row and of each magnitude plane; lane l of chunk c is coordinate
+// 16c + l, of subspace 2c + l/8. `signed_centres` holds ±centre by nibble
+// (negative << 3 | cell), as in the Pallas kernel.
+struct RerankQuery {
+  int64_t p, n_sub;
+  __m512 q[8];  // the rotated query by chunk of 16 coordinates (P <= 128)
+  __m512 signed_centres;
+};
+
+// w_b = scale × 4-bit multiple b, in lane b (B <= 16): nibble b sits at bit 4b of the
+// row's weight bytes read as one little-endian word.
+__m512 subspace_weights(const uint8_t* weight_codes, int64_t weight_bytes, uint16_t scale) {
+  uint64_t word = 0;
+  if (weight_bytes == 4) {  // B = 8 and 16 (d = 64, 128): fixed-size copies, no call
+    uint32_t low;
+    std::memcpy(&low, weight_codes, 4);
+    word = low;
+  } else if (weight_bytes == 8) {
+    std::memcpy(&word, weight_codes, 8);
+  } else {
+    std::memcpy(&word, weight_codes, weight_bytes);
+  }
+  const __m512i halves = _mm512_inserti64x4(_mm512_set1_epi32(static_cast<uint32_t>(word)),
+                                            _mm256_set1_epi32(static_cast<uint32_t>(word >> 32)), 1);
+  const __m512i shift = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+  const __m512i multiple = _mm512_and_si512(_mm512_srlv_epi32(halves, shift), _mm512_set1_epi32(15));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(multiple), _mm512_set1_ps(bf16_to_f32(scale)));
+}
+
+float estimate_row(const RerankQuery& rq, const uint8_t* signs, const uint8_t* planes, uint16_t scale,
+                   const uint8_t* weight_codes) {
+  const int64_t plane_bytes = rq.p / 8;
+  const __m512 w = subspace_weights(weight_codes, (rq.n_sub + 1) / 2, scale);
+  const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2), four = _mm512_set1_epi32(4),
+                eight = _mm512_set1_epi32(8);
+  const __m512i lane_subspace = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < rq.p / 16; ++c) {
+    const __mmask16 bit0 = load_u16(planes + 2 * c), bit1 = load_u16(planes + plane_bytes + 2 * c),
+                    bit2 = load_u16(planes + 2 * plane_bytes + 2 * c),
+                    negative = static_cast<__mmask16>(~load_u16(signs + 2 * c));
+    __m512i nibble = _mm512_maskz_mov_epi32(bit0, one);
+    nibble = _mm512_mask_or_epi32(nibble, bit1, nibble, two);
+    nibble = _mm512_mask_or_epi32(nibble, bit2, nibble, four);
+    nibble = _mm512_mask_or_epi32(nibble, negative, nibble, eight);
+    const __m512i subspace = _mm512_add_epi32(lane_subspace, _mm512_set1_epi32(2 * c));
+    const __m512 qw = _mm512_mul_ps(rq.q[c], _mm512_permutexvar_ps(subspace, w));
+    acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(nibble, rq.signed_centres), qw, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+ffi::Error rerank(ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::U8> magnitudes, ffi::Buffer<ffi::BF16> scale,
+                  ffi::Buffer<ffi::U8> weight_codes, ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::F32> q_norm,
+                  ffi::Buffer<ffi::F32> centres, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
+  const auto sd = signs.dimensions(), qd = q_rot.dimensions(), rd = rows.dimensions();
+  if (sd.size() < 2 || qd.size() != sd.size() - 1 || rd.size() != sd.size() - 1)
+    return ffi::Error::InvalidArgument("pariskv_rerank: signs [..., cap, B], q_rot [..., P], rows [..., C]");
+  const int64_t cap = sd[sd.size() - 2], n_sub = sd.back(), p = qd.back(), count = rd.back();
+  const int64_t batch = product(sd, 0, sd.size() - 2), weight_bytes = (n_sub + 1) / 2;
+  if (p != 8 * n_sub || p % 16 != 0 || n_sub > 16)
+    return ffi::Error::InvalidArgument("pariskv_rerank: needs m = 8 and P in {16, 32, 64, 128}");
+  if (magnitudes.element_count() != batch * cap * kMagnitudeBits * (p / 8) || scale.element_count() != batch * cap ||
+      weight_codes.element_count() != batch * cap * weight_bytes || q_norm.element_count() != batch ||
+      centres.element_count() != batch * 8 || rows.element_count() != batch * count)
+    return ffi::Error::InvalidArgument("pariskv_rerank: code arrays do not match signs [..., cap, B]");
+  for (int64_t h = 0; h < batch; ++h) {
+    RerankQuery rq{p, n_sub, {}, {}};
+    const float* q = q_rot.typed_data() + h * p;
+    for (int64_t c = 0; c < p / 16; ++c) rq.q[c] = _mm512_loadu_ps(q + 16 * c);
+    alignas(64) float table[16];
+    const float* centre = centres.typed_data() + h * 8;
+    for (int i = 0; i < 8; ++i) table[i] = centre[i], table[8 + i] = -centre[i];
+    rq.signed_centres = _mm512_load_ps(table);
+    const uint8_t* s = signs.typed_data() + h * cap * n_sub;
+    const uint8_t* mag = magnitudes.typed_data() + h * cap * kMagnitudeBits * (p / 8);
+    const uint16_t* sc = scale.typed_data() + h * cap;
+    const uint8_t* wc = weight_codes.typed_data() + h * cap * weight_bytes;
+    const int32_t* row = rows.typed_data() + h * count;
+    float* est = out->typed_data() + h * count;
+    const float norm = q_norm.typed_data()[h];
+    // The rows are scattered over the index: fetch a few rows ahead (4 arrays per row).
+    constexpr int64_t kAhead = 16;
+    parallel_rows(count, [&](int64_t, int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        if (i + kAhead < end) {
+          const int64_t ahead = std::clamp<int64_t>(row[i + kAhead], 0, cap - 1);
+          _mm_prefetch(reinterpret_cast<const char*>(s + ahead * n_sub), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(mag + ahead * kMagnitudeBits * (p / 8)), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(sc + ahead), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(wc + ahead * weight_bytes), _MM_HINT_T0);
+        }
+        const int64_t r = std::clamp<int64_t>(row[i], 0, cap - 1);
+        est[i] = norm * estimate_row(rq, s + r * n_sub, mag + r * kMagnitudeBits * (p / 8), sc[r],
+                                     wc + r * weight_bytes);
+      }
+    });
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------- final top-k
+
+// float32 → int32 in the same order, -0 below +0 (lax.top_k's total order on floats).
+int32_t total_order(float value) {
+  int32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits < 0 ? bits ^ 0x7fffffff : bits;
+}
+
+// Positions [k] of the k largest values[C], largest first, ties to the lower position:
+// lax.top_k's answer for values without NaN. One pass keeps the best k seen in a heap
+// whose root is the worst of them; a later value enters only if strictly larger (an
+// equal one comes at a higher position, so it loses the tie).
+void top_k_row(const float* values, int64_t c, int64_t k, int32_t* out) {
+  struct Entry {
+    int32_t key;  // total_order(value)
+    int32_t position;
+  };
+  const auto better = [](const Entry& a, const Entry& b) {
+    return a.key > b.key || (a.key == b.key && a.position < b.position);
+  };
+  std::vector<Entry> heap(k);
+  for (int64_t i = 0; i < k; ++i) heap[i] = {total_order(values[i]), static_cast<int32_t>(i)};
+  std::make_heap(heap.begin(), heap.end(), better);  // root: the worst entry
+  for (int64_t i = k; i < c; ++i) {
+    const int32_t key = total_order(values[i]);
+    if (key > heap.front().key) {
+      std::pop_heap(heap.begin(), heap.end(), better);
+      heap.back() = {key, static_cast<int32_t>(i)};
+      std::push_heap(heap.begin(), heap.end(), better);
+    }
+  }
+  std::sort(heap.begin(), heap.end(), better);
+  for (int64_t i = 0; i < k; ++i) out[i] = heap[i].position;
+}
+
+ffi::Error top_k(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> out) {
+  const auto vd = values.dimensions(), od = out->dimensions();
+  if (vd.size() < 1 || od.size() != vd.size())
+    return ffi::Error::InvalidArgument("top_k: values [..., C], out [..., k]");
+  const int64_t c = vd.back(), k = od.back(), batch = product(vd, 0, vd.size() - 1);
+  if (k < 1 || k > c || product(od, 0, od.size() - 1) != batch)
+    return ffi::Error::InvalidArgument("top_k: need 1 <= k <= C and the same batch axes");
+  for (int64_t h = 0; h < batch; ++h) top_k_row(values.typed_data() + h * c, c, k, out->typed_data() + h * k);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TopK, top_k,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PariskvCoarse, coarse,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PariskvRerank, rerank,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,131 @@
+"""jaxkv.native's CPU kernels (``ParisKVConfig(kernels="native")``) against the XLA path.
+
+The coarse stage's rows are integers chosen by integer votes: they must be the XLA
+path's rows exactly. The rerank sums the same float32 products in another order:
+relative error ~ P·eps ≈ 1.5e-5 at P = 128 in the worst case, far less in practice;
+the bound below is 1e-5 of the largest |score|.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import native
+from jaxkv.attention import pariskv, rsq
+from jaxkv.cache import CacheConfig
+from tests.test_generate import _prompts
+from tests.test_kernels_end_to_end import one_layer  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason="jaxkv.native needs an x86-64 CPU with AVX-512 and a C++ compiler")
+
+SCORE_RTOL = 1e-5
+CFG = pariskv.ParisKVConfig(top_k=40, kernels="native")
+
+
+def _keys(seed, shape):
+    rng = np.random.default_rng(seed)
+    # Unequal coordinate scales, as real keys have, so the vote tiers differ by subspace.
+    return jnp.asarray(rng.standard_normal(shape) * np.linspace(0.3, 3.0, shape[-1]), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _steps(cfg, index, q):
+    """Candidates, their rerank scores and the final selection for each head (vmap)."""
+    def one_head(index, q):
+        candidates = pariskv.coarse_candidates(cfg, index, q)
+        return candidates, pariskv.rerank_scores(cfg, index, q, candidates), pariskv.select(cfg, index, q)
+    return jax.vmap(one_head)(index, q)
+
+
+# d = 64 and 128 (B = 8, 16 sign bytes); n = cap, most of cap, and fewer valid keys than
+# candidates (the invalid rows n, n+1, … fill in, as on the XLA path).
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n", [3000, 2345, 150])
+def test_native_candidates_scores_and_selection_equal_the_xla_path(d, n):
+    heads, cap = 2, 3000
+    index = jax.vmap(lambda k: pariskv.build(CFG, k, jnp.int32(n)))(_keys(0, (heads, cap, d)))
+    q = _keys(1, (heads, 3, d))
+    cand_x, score_x, sel_x = _steps(dataclasses.replace(CFG, kernels="xla"), index, q)
+    cand_n, score_n, sel_n = _steps(CFG, index, q)
+    np.testing.assert_array_equal(cand_n, cand_x)
+    assert cand_x.shape == (heads, pariskv.n_candidates(CFG, cap))
+    np.testing.assert_allclose(score_n, score_x, rtol=0, atol=SCORE_RTOL * np.abs(score_x).max())
+    np.testing.assert_array_equal(sel_n.idx, sel_x.idx)
+    np.testing.assert_array_equal(sel_n.mask, sel_x.mask)
+    assert int(sel_x.mask.sum()) == heads * min(n, CFG.top_k)
+
+
+def test_native_vote_table_ranks_tied_patterns_as_the_xla_path():
+    """Integer query coordinates tie many pattern scores exactly (see test_pariskv's
+    test_vote_table_ranks_tied_patterns_by_the_lower_pattern): the kernel's ranking of
+    ties decides which buckets fill a tier, so its rows must still be the XLA path's."""
+    cap, n, count = 4000, 3500, 600
+    q_rot = jnp.asarray(np.r_[np.ones(8), np.arange(8) % 3, -np.ones(8), np.zeros(8)], jnp.float32)
+    rng = np.random.default_rng(8)
+    counts = jnp.asarray(rng.integers(0, 40, (4, 256)), jnp.int32)
+    signs = jnp.asarray(rng.integers(0, 256, (cap, 4)), jnp.uint8)
+    cfg = dataclasses.replace(CFG, collision_ratio=0.2)
+    table = pariskv.vote_table(cfg, q_rot, jnp.int32(n), counts, cap)
+    votes = jnp.where(jnp.arange(cap) < n, jnp.sum(table[jnp.arange(4)[None, :], signs], axis=-1), -1)
+    expected = pariskv.most_voted_rows(votes, count, pariskv.N_TIERS * 4)
+    scores, caps = pariskv.pattern_scores_and_caps(cfg, q_rot, jnp.int32(n), cap)
+    got = native.coarse_rows(signs, scores, counts, caps, jnp.int32(n), count)
+    np.testing.assert_array_equal(got, expected)
+    assert len(np.unique(np.asarray(table))) > 3  # several tiers in play
+
+
+def test_native_rerank_reads_any_rows_in_any_order():
+    """Unsorted rows with repeats, the first and last row: the estimate of each row."""
+    index = pariskv.build(CFG, _keys(2, (500, 64)), jnp.int32(500))
+    q_rot, q_norm = pariskv._query(CFG, _keys(3, (64,)))
+    _, centres = pariskv._levels(CFG)
+    rows = jnp.asarray([499, 0, 17, 17, 256, 3, 499, 128], jnp.int32)
+    expected = rsq.estimate(jax.tree.map(lambda x: x[rows], index.codes), q_rot, q_norm, CFG.m, centres)
+    got = jax.jit(native.rerank)(index.codes, q_rot, q_norm, centres, rows)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=SCORE_RTOL * np.abs(expected).max())
+    assert got[2] == got[3] and got[0] == got[6]
+
+
+@pytest.mark.parametrize("k", [1, 7, 100, 300])
+def test_native_top_k_is_lax_top_k_with_its_ties(k):
+    """Values with many ties (rounded to halves, with -0 beside +0, which lax.top_k ranks
+    below +0) and -inf (invalid candidates), batched."""
+    rng = np.random.default_rng(6)
+    values = np.round(rng.standard_normal((3, 300)) * 2) / 2
+    values[:, rng.choice(300, 40, replace=False)] = -np.inf
+    values[2] = -np.inf  # fewer valid values than k: lax.top_k takes the -inf ones by position
+    values = jnp.asarray(values, jnp.float32)
+    np.testing.assert_array_equal(jax.jit(native.top_k, static_argnums=1)(values, k), jax.lax.top_k(values, k)[1])
+    with pytest.raises(ValueError, match="k"):
+        native.top_k(values, 301)
+
+
+def test_native_mode_is_validated():
+    assert CFG.uses_native() and not CFG.uses_kernels()
+    assert not pariskv.ParisKVConfig().uses_native()
+    with pytest.raises(ValueError, match="m=8"):
+        pariskv.ParisKVConfig(m=4, kernels="native")
+    index = pariskv.build(CFG, _keys(4, (300, 256)), jnp.int32(300))  # P = 256: too wide
+    with pytest.raises(ValueError, match="P"):
+        pariskv.retrieve(CFG, index, _keys(5, (256,)))
+
+
+def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer):  # noqa: F811
+    """A sparse layer with no dense fallback: 24 keys in retrieval, the buffer (U = 3)
+    flushed into the index three times in 9 steps; the tiny model's d = 16 is P = 16."""
+    config, params = one_layer
+    prompt = _prompts([30], seed=11)
+    cache = CacheConfig(sink=2, local=4, buffer=3, dense_threshold=0)
+    mcfg = pariskv.ParisKVConfig(top_k=12, sink=2, local=4, buffer=3)
+    tokens = {}
+    for kernels in ("xla", "native"):
+        out = jaxkv.generate(params, config, prompt, max_new_tokens=9, eos_ids=(), method="pariskv",
+                             method_config=dataclasses.replace(mcfg, kernels=kernels), cache_config=cache)
+        tokens[kernels] = out.tokens, out.keys_read_fraction
+    assert tokens["native"] == tokens["xla"]
+    assert len(tokens["xla"][0][0]) == 9
