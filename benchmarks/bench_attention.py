@@ -24,8 +24,9 @@ nor drop it.
   pinned_host memory), the state threaded through the loop as generate()
   does: append, the method's select, the host gather, the correction,
   attention over the selection, the exact sink + window partial and the merge.
-  ``pariskv-100-native`` (run only when ``--methods`` names it) is ParisKV
-  top-100 with its selection in ``jaxkv.native``'s CPU kernels.
+  ``pariskv-100-native`` and ``pariskv-2048-native`` (run only when
+  ``--methods`` names them) are ParisKV with its selection in ``jaxkv.native``'s
+  CPU kernels.
 - flush: the move of U window rows into retrieval and the index, timed alone
   in the same way (the lengths put back each iteration). generate() runs it
   once every U steps; the step loop keeps the window from filling, and the
@@ -96,6 +97,7 @@ METHODS = {
     "pariskv-2048": ("pariskv top2048", pariskv, pariskv.ParisKVConfig(top_k=2048)),
     # The same selection in jaxkv.native's CPU kernels (not in the default run: AVX-512 only).
     "pariskv-100-native": ("pariskv top100 native", pariskv, pariskv.ParisKVConfig(top_k=100, kernels="native")),
+    "pariskv-2048-native": ("pariskv top2048 native", pariskv, pariskv.ParisKVConfig(top_k=2048, kernels="native")),
 }
 
 

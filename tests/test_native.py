@@ -91,7 +91,7 @@ def test_native_rerank_reads_any_rows_in_any_order():
     assert got[2] == got[3] and got[0] == got[6]
 
 
-@pytest.mark.parametrize("k", [1, 7, 100, 300])
+@pytest.mark.parametrize("k", [1, 7, 100, 256, 257, 300])  # a heap up to 256, a partition above
 def test_native_top_k_is_lax_top_k_with_its_ties(k):
     """Values with many ties (rounded to halves, with -0 beside +0, which lax.top_k ranks
     below +0) and -inf (invalid candidates), batched."""

@@ -6,8 +6,8 @@
 //   - pariskv_rerank: rsq.estimate of the candidates' code rows (the same value up to
 //     float32 summation order).
 // XLA CPU runs the votes as int32 gathers, and the estimate as seven selects per
-// coordinate over gathered copies of the rows. Here the vote table is bytes: at m = 8
-// and B = 8, 64 rows' votes take 16 byte permutes (AVX-512 VBMI); the estimate reads
+// coordinate over gathered copies of the rows. Here the vote table is bytes: with B = 8
+// subspaces, 64 rows' votes take 16 byte permutes (AVX-512 VBMI); the estimate reads
 // each row in place with one 16-entry permute per 16 coordinates. Rows are split over
 // the cores. Every leading axis of the arguments is a batch axis (vmap, broadcast_all).
 
@@ -29,6 +29,7 @@ namespace {
 constexpr int kPatterns = 256;    // m = 8: a bucket id is one byte
 constexpr int kMagnitudeBits = 3;  // rsq.MAGNITUDE_BITS
 constexpr int kMaxVote = 255;      // votes + 1 are kept in a byte
+constexpr int64_t kHeapTopK = 256;  // top_k: a heap up to this k, a partition above
 
 int64_t product(ffi::Span<const int64_t> dims, size_t begin, size_t end) {
   int64_t p = 1;
@@ -70,28 +71,29 @@ void vote_rows(const uint8_t* signs, int64_t begin, int64_t end, int64_t n_sub, 
   }
 }
 
-// B = 8: 64 rows at a time. Their 512 sign bytes are transposed so that one register
+// B = 8 or 16: 64 rows at a time. Their sign bytes are transposed so that one register
 // holds subspace b of all 64 rows; the 256-byte table of subspace b is four registers,
 // read by two 128-entry byte permutes and a blend on the pattern's top bit.
-struct VoteTable8 {
-  __m512i part[8][4];
-  explicit VoteTable8(const ByteTable& lut) {
-    for (int b = 0; b < 8; ++b)
+template <int kSub>
+struct VoteTableSimd {
+  __m512i part[kSub][4];
+  explicit VoteTableSimd(const ByteTable& lut) {
+    for (int b = 0; b < kSub; ++b)
       for (int i = 0; i < 4; ++i) part[b][i] = _mm512_loadu_si512(lut.data() + b * kPatterns + 64 * i);
   }
 };
 
-// 64 rows × 8 sign bytes in; out t[b], whose byte i is subspace b of row i.
-void transpose_signs(const uint8_t* rows, __m512i t[8]) {
+// r[k]: 8 bytes of each of rows 8k … 8k+7 (64 rows × 8 subspaces); out t[b], whose
+// byte i is subspace b of row i.
+void transpose_signs(const __m512i r_in[8], __m512i t[8]) {
   alignas(64) static constexpr uint8_t kByteOrder[64] = {  // [row j][b] → [b][row j] within 8 rows
       0, 8, 16, 24, 32, 40, 48, 56, 1, 9, 17, 25, 33, 41, 49, 57, 2, 10, 18, 26, 34, 42, 50, 58,
       3, 11, 19, 27, 35, 43, 51, 59, 4, 12, 20, 28, 36, 44, 52, 60, 5, 13, 21, 29, 37, 45, 53, 61,
       6, 14, 22, 30, 38, 46, 54, 62, 7, 15, 23, 31, 39, 47, 55, 63};
   const __m512i order = _mm512_load_si512(kByteOrder);
   __m512i r[8], a[8], q[8];
-  for (int k = 0; k < 8; ++k)  // r[k] qword b = subspace b of rows 8k … 8k+7
-    r[k] = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(rows + 64 * k));
-  // An 8×8 transpose of qwords: a[k][b] = r[b][k] … in three exchange stages.
+  for (int k = 0; k < 8; ++k) r[k] = _mm512_permutexvar_epi8(order, r_in[k]);  // qword b: subspace b
+  // An 8×8 transpose of qwords in three exchange stages (1, 2 and 4 qwords apart).
   for (int k = 0; k < 8; k += 2) {
     a[k] = _mm512_unpacklo_epi64(r[k], r[k + 1]);
     a[k + 1] = _mm512_unpackhi_epi64(r[k], r[k + 1]);
@@ -109,18 +111,46 @@ void transpose_signs(const uint8_t* rows, __m512i t[8]) {
   }
 }
 
-void vote_blocks8(const uint8_t* signs, int64_t begin, int64_t end, const VoteTable8& table, uint8_t* votes) {
+template <int kSub>
+void vote_blocks(const uint8_t* signs, int64_t begin, int64_t end, const VoteTableSimd<kSub>& table,
+                 uint8_t* votes) {
+  static_assert(kSub == 8 || kSub == 16);
+  // B = 16: each 8-row register holds one 8-byte half of each row, taken from two loads.
+  const __m512i even = _mm512_set_epi64(14, 12, 10, 8, 6, 4, 2, 0), odd = _mm512_set_epi64(15, 13, 11, 9, 7, 5, 3, 1);
   for (int64_t r = begin; r < end; r += 64) {
-    __m512i t[8];
-    transpose_signs(signs + r * 8, t);
     __m512i v = _mm512_set1_epi8(1);
-    for (int b = 0; b < 8; ++b) {
-      const __m512i low = _mm512_permutex2var_epi8(table.part[b][0], t[b], table.part[b][1]);
-      const __m512i high = _mm512_permutex2var_epi8(table.part[b][2], t[b], table.part[b][3]);
-      v = _mm512_add_epi8(v, _mm512_mask_blend_epi8(_mm512_movepi8_mask(t[b]), low, high));
+    for (int half = 0; half < kSub / 8; ++half) {
+      __m512i rows[8], t[8];
+      for (int k = 0; k < 8; ++k) {
+        if constexpr (kSub == 8) {
+          rows[k] = _mm512_loadu_si512(signs + (r + 8 * k) * 8);
+        } else {
+          const __m512i first = _mm512_loadu_si512(signs + (r + 8 * k) * 16),
+                        second = _mm512_loadu_si512(signs + (r + 8 * k) * 16 + 64);
+          rows[k] = _mm512_permutex2var_epi64(first, half == 0 ? even : odd, second);
+        }
+      }
+      transpose_signs(rows, t);
+      for (int j = 0; j < 8; ++j) {
+        const auto& part = table.part[8 * half + j];
+        const __m512i low = _mm512_permutex2var_epi8(part[0], t[j], part[1]);
+        const __m512i high = _mm512_permutex2var_epi8(part[2], t[j], part[3]);
+        v = _mm512_add_epi8(v, _mm512_mask_blend_epi8(_mm512_movepi8_mask(t[j]), low, high));
+      }
     }
     _mm512_storeu_si512(votes + r, v);
   }
+}
+
+// Votes of rows [0, n): 64-row blocks by vote_blocks where B allows, the rest row by row.
+template <int kSub>
+void vote_all_simd(const uint8_t* signs, int64_t n, const ByteTable& lut, uint8_t* votes) {
+  const VoteTableSimd<kSub> table(lut);
+  const int64_t blocks = n / 64;
+  parallel_rows(blocks, [&](int64_t, int64_t begin, int64_t end) {
+    vote_blocks<kSub>(signs, 64 * begin, 64 * end, table, votes);
+  });
+  vote_rows(signs, 64 * blocks, n, kSub, lut, votes);
 }
 
 // How many of votes[0, cap) are >= t.
@@ -166,12 +196,9 @@ void coarse_head(const uint8_t* signs, int64_t cap, int64_t n_sub, const ByteTab
                  int64_t count, uint8_t* votes, int32_t* out) {
   n = std::clamp<int64_t>(n, 0, cap);
   if (n_sub == 8) {
-    const VoteTable8 table8(lut);
-    const int64_t blocks = n / 64;
-    parallel_rows(blocks, [&](int64_t, int64_t begin, int64_t end) {
-      vote_blocks8(signs, 64 * begin, 64 * end, table8, votes);
-    });
-    vote_rows(signs, 64 * blocks, n, n_sub, lut, votes);
+    vote_all_simd<8>(signs, n, lut, votes);
+  } else if (n_sub == 16) {
+    vote_all_simd<16>(signs, n, lut, votes);
   } else {
     parallel_rows(n, [&](int64_t, int64_t begin, int64_t end) { vote_rows(signs, begin, end, n_sub, lut, votes); });
   }
@@ -349,9 +376,7 @@ int32_t total_order(float value) {
 }
 
 // Positions [k] of the k largest values[C], largest first, ties to the lower position:
-// lax.top_k's answer for values without NaN. One pass keeps the best k seen in a heap
-// whose root is the worst of them; a later value enters only if strictly larger (an
-// equal one comes at a higher position, so it loses the tie).
+// lax.top_k's answer for values without NaN.
 void top_k_row(const float* values, int64_t c, int64_t k, int32_t* out) {
   struct Entry {
     int32_t key;  // total_order(value)
@@ -360,19 +385,29 @@ void top_k_row(const float* values, int64_t c, int64_t k, int32_t* out) {
   const auto better = [](const Entry& a, const Entry& b) {
     return a.key > b.key || (a.key == b.key && a.position < b.position);
   };
-  std::vector<Entry> heap(k);
-  for (int64_t i = 0; i < k; ++i) heap[i] = {total_order(values[i]), static_cast<int32_t>(i)};
-  std::make_heap(heap.begin(), heap.end(), better);  // root: the worst entry
-  for (int64_t i = k; i < c; ++i) {
-    const int32_t key = total_order(values[i]);
-    if (key > heap.front().key) {
-      std::pop_heap(heap.begin(), heap.end(), better);
-      heap.back() = {key, static_cast<int32_t>(i)};
-      std::push_heap(heap.begin(), heap.end(), better);
+  std::vector<Entry> best;
+  if (k <= kHeapTopK) {
+    // One pass keeping the best k seen in a heap whose root is the worst of them; a later
+    // value enters only if strictly larger (an equal one sits at a higher position).
+    best.resize(k);
+    for (int64_t i = 0; i < k; ++i) best[i] = {total_order(values[i]), static_cast<int32_t>(i)};
+    std::make_heap(best.begin(), best.end(), better);
+    for (int64_t i = k; i < c; ++i) {
+      const int32_t key = total_order(values[i]);
+      if (key > best.front().key) {
+        std::pop_heap(best.begin(), best.end(), better);
+        best.back() = {key, static_cast<int32_t>(i)};
+        std::push_heap(best.begin(), best.end(), better);
+      }
     }
+  } else {  // many replacements would each cost log k: partition all C once instead
+    best.resize(c);
+    for (int64_t i = 0; i < c; ++i) best[i] = {total_order(values[i]), static_cast<int32_t>(i)};
+    std::nth_element(best.begin(), best.begin() + (k - 1), best.end(), better);
+    best.resize(k);
   }
-  std::sort(heap.begin(), heap.end(), better);
-  for (int64_t i = 0; i < k; ++i) out[i] = heap[i].position;
+  std::sort(best.begin(), best.end(), better);
+  for (int64_t i = 0; i < k; ++i) out[i] = best[i].position;
 }
 
 ffi::Error top_k(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> out) {
