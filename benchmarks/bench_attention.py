@@ -99,6 +99,7 @@ METHODS = {
     "pariskv-100-native": ("pariskv top100 native", pariskv, pariskv.ParisKVConfig(top_k=100, kernels="native")),
     "pariskv-2048-native": ("pariskv top2048 native", pariskv, pariskv.ParisKVConfig(top_k=2048, kernels="native")),
 }
+DEFAULT_METHODS = [name for name in METHODS if not name.endswith("-native")]
 
 
 # ---------------------------------------------------------------- timing
@@ -501,8 +502,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: SmolLM2 shape, N = 8k and 16k")
     parser.add_argument("--sizes", type=int, nargs="+", help="key counts N (default 16k 64k 256k 1M)")
     parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], help="head shapes (default both)")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS),
-                        default=[name for name in METHODS if not name.endswith("-native")],
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS,
                         help="sparse methods (dense always runs: every ratio is to it); "
                              "the *-native ones only when named")
     parser.add_argument("--repeats", type=int, default=5)
