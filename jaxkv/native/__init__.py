@@ -5,7 +5,7 @@ FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 w
 cached under ``$JAXKV_NATIVE_CACHE`` (default ``~/.cache/jaxkv/native``) by a
 digest of the source, the compiler command and this CPU, and registered with
 ``jax.ffi`` for the CPU platform. :func:`available` says whether that worked;
-``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage and rerank in them.
+``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank and final top-k in them.
 """
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ import jax.numpy as jnp
 SOURCE = pathlib.Path(__file__).with_name("pariskv_cpu.cc")
 TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "PariskvRerank",
            "jaxkv_top_k": "TopK"}
-
-
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi")  # byte permutes for the votes
 
 
