@@ -95,7 +95,7 @@ METHODS = {
     "magicpig": ("magicpig K10L150", magicpig, magicpig.MagicPIGConfig()),
     "pariskv-100": ("pariskv top100", pariskv, pariskv.ParisKVConfig(top_k=100)),
     "pariskv-2048": ("pariskv top2048", pariskv, pariskv.ParisKVConfig(top_k=2048)),
-    # The same selection in jaxkv.native's CPU kernels (not in the default run: AVX-512 only).
+    # The same selection in jaxkv.native's CPU kernels (not in the default run: AVX-512 VBMI only).
     "pariskv-100-native": ("pariskv top100 native", pariskv, pariskv.ParisKVConfig(top_k=100, kernels="native")),
     "pariskv-2048-native": ("pariskv top2048 native", pariskv, pariskv.ParisKVConfig(top_k=2048, kernels="native")),
 }

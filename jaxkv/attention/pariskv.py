@@ -62,8 +62,8 @@ class ParisKVConfig:
     kernels: "auto" (Pallas kernels iff the backend is a GPU), "xla" (never),
     "pallas" (always, compiled) or "interpret" (always, Pallas interpret mode)
     for the coarse vote, the rerank and the cache's gather-attention; "native":
-    the coarse vote and the rerank in ``jaxkv.native``'s CPU kernels (m = 8,
-    d ≤ 128, an AVX-512 CPU and a C++ compiler), the rest in XLA.
+    the coarse vote, the rerank and the final top-k in ``jaxkv.native``'s CPU
+    kernels (m = 8, d ≤ 128, a CPU with AVX-512 VBMI and a C++ compiler), the rest in XLA.
     """
 
     m: int = 8

@@ -66,8 +66,7 @@ def _library_path() -> pathlib.Path:
     return path
 
 
-@functools.cache
-def _load() -> None:
+def _register() -> None:
     flags = _cpu_flags().split()
     if platform.machine() not in ("x86_64", "AMD64") or not all(f in flags for f in REQUIRED_CPU_FLAGS):
         raise NativeUnavailable(f"the CPU kernels need an x86-64 CPU with {', '.join(REQUIRED_CPU_FLAGS)}")
@@ -76,13 +75,26 @@ def _load() -> None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
+@functools.cache
+def _unavailable_reason() -> str | None:
+    """None once the kernels are registered, else why not: decided once per process, so a
+    failed build is not retried (seconds of compiling) on every call."""
+    try:
+        _register()
+    except NativeUnavailable as error:
+        return str(error)
+    return None
+
+
+def _load() -> None:
+    reason = _unavailable_reason()
+    if reason is not None:
+        raise NativeUnavailable(reason)
+
+
 def available() -> bool:
     """Whether the CPU kernels are built and registered (building them if needed)."""
-    try:
-        _load()
-    except NativeUnavailable:
-        return False
-    return True
+    return _unavailable_reason() is None
 
 
 def coarse_rows(signs: jax.Array, scores: jax.Array, bucket_counts: jax.Array, caps: jax.Array, n,

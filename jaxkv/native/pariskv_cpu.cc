@@ -4,7 +4,8 @@
 //     `count` rows with the most votes, ties to the lower row, in ascending row order
 //     (the same rows, exactly);
 //   - pariskv_rerank: rsq.estimate of the candidates' code rows (the same value up to
-//     float32 summation order).
+//     float32 summation order);
+//   - top_k: lax.top_k's positions (the same order and ties).
 // XLA CPU runs the votes as int32 gathers, and the estimate as seven selects per
 // coordinate over gathered copies of the rows. Here the vote table is bytes: with B = 8
 // subspaces, 64 rows' votes take 16 byte permutes (AVX-512 VBMI); the estimate reads
@@ -153,12 +154,15 @@ void vote_all_simd(const uint8_t* signs, int64_t n, const ByteTable& lut, uint8_
   vote_rows(signs, 64 * blocks, n, kSub, lut, votes);
 }
 
+// The mask of the first min(rows, 64) of 64 bytes: a whole block, or the last one.
+__mmask64 first_rows(int64_t rows) { return rows >= 64 ? ~0ull : (1ull << rows) - 1; }
+
 // How many of votes[0, cap) are >= t.
 int64_t count_at_least(const uint8_t* votes, int64_t cap, int t) {
   const __m512i threshold = _mm512_set1_epi8(static_cast<char>(t));
   int64_t total = 0;
   for (int64_t base = 0; base < cap; base += 64) {
-    const __mmask64 in_range = cap - base >= 64 ? ~0ull : (1ull << (cap - base)) - 1;
+    const __mmask64 in_range = first_rows(cap - base);
     total += __builtin_popcountll(
         _mm512_mask_cmpge_epu8_mask(in_range, _mm512_maskz_loadu_epi8(in_range, votes + base), threshold));
   }
@@ -215,7 +219,7 @@ void coarse_head(const uint8_t* signs, int64_t cap, int64_t n_sub, const ByteTab
   int64_t ties = count - above, k = 0;
   const __m512i threshold = _mm512_set1_epi8(static_cast<char>(t));
   for (int64_t base = 0; base < cap; base += 64) {
-    const __mmask64 in_range = cap - base >= 64 ? ~0ull : (1ull << (cap - base)) - 1;
+    const __mmask64 in_range = first_rows(cap - base);
     const __m512i v = _mm512_maskz_loadu_epi8(in_range, votes + base);
     uint64_t keep = _mm512_mask_cmpgt_epu8_mask(in_range, v, threshold);
     uint64_t tie = _mm512_mask_cmpeq_epu8_mask(in_range, v, threshold);
