@@ -91,7 +91,7 @@ def test_native_rerank_reads_any_rows_in_any_order():
     assert got[2] == got[3] and got[0] == got[6]
 
 
-@pytest.mark.parametrize("k", [1, 7, 100, 256, 257, 300])  # a heap up to 256, a partition above
+@pytest.mark.parametrize("k", [1, 7, 100, 256, 257, 300])
 def test_native_top_k_is_lax_top_k_with_its_ties(k):
     """Values with many ties (rounded to halves, with -0 beside +0, which lax.top_k ranks
     below +0) and -inf (invalid candidates), batched."""
@@ -103,6 +103,19 @@ def test_native_top_k_is_lax_top_k_with_its_ties(k):
     np.testing.assert_array_equal(jax.jit(native.top_k, static_argnums=1)(values, k), jax.lax.top_k(values, k)[1])
     with pytest.raises(ValueError, match="k"):
         native.top_k(values, 301)
+
+
+@pytest.mark.parametrize("k", [1, 100, 2048])
+def test_native_top_k_of_close_rising_values(k):
+    """Scores as a step's reranked candidates can be: rising with position and within one
+    binade, so the select's first digits are all equal and it needs every pass; a few
+    repeated values tie at the k-th."""
+    rng = np.random.default_rng(9)
+    values = np.float32(1.0) + np.sort(rng.uniform(0, 1e-3, (2, 6000))).astype(np.float32)
+    for tied in (slice(5880, 5920), slice(3900, 4000)):  # around the 100th and the 2048th largest
+        values[:, tied] = values[:, tied.start, None]
+    values = jnp.asarray(values, jnp.float32)
+    np.testing.assert_array_equal(jax.jit(native.top_k, static_argnums=1)(values, k), jax.lax.top_k(values, k)[1])
 
 
 def test_native_mode_is_validated():

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -30,7 +31,6 @@ namespace {
 constexpr int kPatterns = 256;    // m = 8: a bucket id is one byte
 constexpr int kMagnitudeBits = 3;  // rsq.MAGNITUDE_BITS
 constexpr int kMaxVote = 255;      // votes + 1 are kept in a byte
-constexpr int64_t kHeapTopK = 256;  // top_k: a heap up to this k, a partition above
 
 int64_t product(ffi::Span<const int64_t> dims, size_t begin, size_t end) {
   int64_t p = 1;
@@ -169,22 +169,56 @@ int64_t count_at_least(const uint8_t* votes, int64_t cap, int t) {
   return total;
 }
 
-// pariskv.vote_table from its inputs: per subspace the patterns ranked by score
-// (descending, ties to the lower pattern); a pattern gets n_tiers − (tier caps its
-// cumulative key count exceeds) votes, at least 0. The comparisons are the XLA path's
-// (count as float32 against the float32 caps), so the table is the same.
+// Sorts entries[n] ascending by the 32-bit key in bits [shift, shift + 32), stably: a
+// radix sort, four 8-bit passes, with no data-dependent branches (a comparison sort of
+// fresh data each step mispredicts about half its comparisons). `spare` holds n entries;
+// returns whichever of the two buffers holds the result.
+uint64_t* radix_sort(uint64_t* entries, uint64_t* spare, int64_t n, int shift) {
+  std::array<std::array<int32_t, 256>, 4> histogram{};
+  for (int64_t i = 0; i < n; ++i)
+    for (int d = 0; d < 4; ++d) ++histogram[d][(entries[i] >> (shift + 8 * d)) & 255];
+  for (int d = 0; d < 4 && n > 0; ++d) {
+    const int digit_shift = shift + 8 * d;
+    auto& slots = histogram[d];
+    if (slots[(entries[0] >> digit_shift) & 255] == n) continue;  // one digit value: order unchanged
+    int32_t next = 0;
+    for (auto& slot : slots) next += std::exchange(slot, next);
+    for (int64_t i = 0; i < n; ++i) spare[slots[(entries[i] >> digit_shift) & 255]++] = entries[i];
+    std::swap(entries, spare);
+  }
+  return entries;
+}
+
+// A 32-bit key that sorts ascending as the float descending: the order-preserving bits,
+// complemented.
+uint32_t descending_key(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return (bits >> 31) ? bits : ~bits & 0x7fffffffu;
+}
+
+// The patterns of one subspace ranked by score, descending, ties to the lower pattern
+// (the sort is stable); −0 counts as +0, as in the XLA path's float comparisons.
+std::array<uint8_t, kPatterns> ranked_patterns(const float* score) {
+  std::array<uint64_t, kPatterns> entry, spare;  // key << 8 | pattern
+  for (int p = 0; p < kPatterns; ++p)
+    entry[p] = static_cast<uint64_t>(descending_key(score[p] + 0.0f)) << 8 | static_cast<uint64_t>(p);
+  const uint64_t* sorted = radix_sort(entry.data(), spare.data(), kPatterns, 8);
+  std::array<uint8_t, kPatterns> ranked;
+  for (int i = 0; i < kPatterns; ++i) ranked[i] = static_cast<uint8_t>(sorted[i]);
+  return ranked;
+}
+
+// pariskv.vote_table from its inputs: walking the ranked patterns, a pattern gets
+// n_tiers − (tier caps its cumulative key count exceeds) votes, at least 0. The
+// comparisons are the XLA path's (count as float32 against the float32 caps), so the
+// table is the same.
 ByteTable vote_table(const float* scores, const int32_t* counts, int64_t n_sub, const float* caps,
                      int64_t n_tiers) {
   ByteTable lut(n_sub * kPatterns);
-  std::array<int32_t, kPatterns> order;
   for (int64_t b = 0; b < n_sub; ++b) {
-    const float* score = scores + b * kPatterns;
-    for (int i = 0; i < kPatterns; ++i) order[i] = i;
-    std::sort(order.begin(), order.end(), [score](int32_t x, int32_t y) {
-      return score[x] > score[y] || (score[x] == score[y] && x < y);
-    });
     int32_t covered = 0;
-    for (int32_t pattern : order) {
+    for (const uint8_t pattern : ranked_patterns(scores + b * kPatterns)) {
       covered += counts[b * kPatterns + pattern];
       int64_t passed = 0;
       for (int64_t t = 0; t < n_tiers; ++t) passed += static_cast<float>(covered) > caps[t];
@@ -372,46 +406,48 @@ ffi::Error rerank(ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::U8> magnitudes, f
 
 // ---------------------------------------------------------------- final top-k
 
-// float32 → int32 in the same order, -0 below +0 (lax.top_k's total order on floats).
-int32_t total_order(float value) {
-  int32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits < 0 ? bits ^ 0x7fffffff : bits;
-}
-
 // Positions [k] of the k largest values[C], largest first, ties to the lower position:
-// lax.top_k's answer for values without NaN.
+// lax.top_k's answer for values without NaN (its total order: −0 below +0). The k-th
+// key is found 8 bits at a time from the top (a radix select), then the k entries are
+// radix sorted: no data-dependent branches (the heap this replaces mispredicted on
+// every step's fresh scores).
 void top_k_row(const float* values, int64_t c, int64_t k, int32_t* out) {
-  struct Entry {
-    int32_t key;  // total_order(value)
-    int32_t position;
-  };
-  const auto better = [](const Entry& a, const Entry& b) {
-    return a.key > b.key || (a.key == b.key && a.position < b.position);
-  };
-  std::vector<Entry> best;
-  if (k <= kHeapTopK) {
-    // One pass keeping the best k seen in a heap whose root is the worst of them; a later
-    // value enters only if strictly larger (an equal one sits at a higher position).
-    best.resize(k);
-    for (int64_t i = 0; i < k; ++i) best[i] = {total_order(values[i]), static_cast<int32_t>(i)};
-    std::make_heap(best.begin(), best.end(), better);
-    for (int64_t i = k; i < c; ++i) {
-      const int32_t key = total_order(values[i]);
-      if (key > best.front().key) {
-        std::pop_heap(best.begin(), best.end(), better);
-        best.back() = {key, static_cast<int32_t>(i)};
-        std::push_heap(best.begin(), best.end(), better);
-      }
+  std::vector<uint32_t> key(c);
+  for (int64_t i = 0; i < c; ++i) key[i] = descending_key(values[i]);
+  // live: the positions, ascending, whose keys share the digits of the k-th found so
+  // far; `below` keys are known to be smaller than the k-th.
+  std::vector<int32_t> live(c);
+  for (int64_t i = 0; i < c; ++i) live[i] = static_cast<int32_t>(i);
+  int64_t n_live = c, below = 0;
+  uint32_t kth = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    std::array<std::array<int32_t, 256>, 4> histogram{};  // four copies: equal digits in a row
+    for (int64_t i = 0; i < n_live; ++i) ++histogram[i & 3][(key[live[i]] >> shift) & 255];  // don't chain
+    uint32_t digit = 0;
+    for (;; ++digit) {
+      const int64_t count = histogram[0][digit] + histogram[1][digit] + histogram[2][digit] + histogram[3][digit];
+      if (below + count >= k) break;
+      below += count;
     }
-  } else {  // many replacements would each cost log k: partition all C once instead
-    best.resize(c);
-    for (int64_t i = 0; i < c; ++i) best[i] = {total_order(values[i]), static_cast<int32_t>(i)};
-    std::nth_element(best.begin(), best.begin() + (k - 1), best.end(), better);
-    best.resize(k);
+    kth |= digit << shift;
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n_live; ++i) {
+      live[kept] = live[i];
+      kept += ((key[live[i]] >> shift) & 255) == digit;
+    }
+    n_live = kept;
   }
-  std::sort(best.begin(), best.end(), better);
-  for (int64_t i = 0; i < k; ++i) out[i] = best[i].position;
+  // Every key below the k-th, then the lowest positions holding it, sorted by key (stable:
+  // equal keys stay in position order).
+  std::vector<uint64_t> entry(k), spare(k);
+  int64_t taken = 0;
+  for (int64_t i = 0; i < c; ++i) {
+    entry[taken] = static_cast<uint64_t>(key[i]) << 32 | static_cast<uint64_t>(i);
+    taken += key[i] < kth;
+  }
+  for (int64_t i = 0; taken < k; ++i, ++taken) entry[taken] = static_cast<uint64_t>(kth) << 32 | live[i];
+  const uint64_t* sorted = radix_sort(entry.data(), spare.data(), k, 32);
+  for (int64_t i = 0; i < k; ++i) out[i] = static_cast<int32_t>(sorted[i]);
 }
 
 ffi::Error top_k(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> out) {
