@@ -9,16 +9,17 @@
 // XLA CPU runs the votes as int32 gathers, and the estimate as seven selects per
 // coordinate over gathered copies of the rows. Here the vote table is bytes: with B = 8
 // subspaces, 64 rows' votes take 16 byte permutes (AVX-512 VBMI); the estimate reads
-// each row in place with one 16-entry permute per 16 coordinates. Rows are split over
-// the cores. Every leading axis of the arguments is a batch axis (vmap, broadcast_all).
+// each row in place with one 16-entry permute per 16 coordinates. Heads and blocks of
+// rows are split over XLA's intra-op thread pool. Every leading axis of the arguments is a batch axis (vmap, broadcast_all).
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <thread>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -38,21 +39,27 @@ int64_t product(ffi::Span<const int64_t> dims, size_t begin, size_t end) {
   return p;
 }
 
-// How many contiguous parts parallel_rows splits n rows into: one per core, at least
-// kMinRows rows each (a step is a few ms, so starting threads per call is cheap).
-int64_t row_parts(int64_t n) {
-  constexpr int64_t kMinRows = 8192;
-  return std::clamp<int64_t>(n / kMinRows, 1, std::max(1u, std::thread::hardware_concurrency()));
-}
-
-// fn(part, begin, end) for each of the row_parts(n) parts of [0, n), each on its own thread.
+// fn(i) for every i in [0, n), on the calling thread and XLA's intra-op thread pool (the
+// FFI ThreadPool: no threads started per call). Items are claimed one at a time, so the
+// caller only ever waits for items another thread is running: no deadlock when the pool
+// is busy or absent. A helper that starts after the last claim touches nothing but the
+// shared counters.
 template <typename Fn>
-void parallel_rows(int64_t n, Fn fn) {
-  const int64_t parts = row_parts(n);
-  std::vector<std::thread> threads;
-  for (int64_t i = 1; i < parts; ++i) threads.emplace_back(fn, i, n * i / parts, n * (i + 1) / parts);
-  fn(int64_t{0}, int64_t{0}, n / parts);
-  for (auto& t : threads) t.join();
+void parallel_for(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
+  struct Progress {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto progress = std::make_shared<Progress>();
+  const auto work = [progress, n, &fn] {
+    for (int64_t i; (i = progress->next.fetch_add(1)) < n;) {
+      fn(i);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work(); });
+  work();
+  while (progress->done.load(std::memory_order_acquire) < n) _mm_pause();
 }
 
 // ---------------------------------------------------------------- coarse stage
@@ -143,15 +150,14 @@ void vote_blocks(const uint8_t* signs, int64_t begin, int64_t end, const VoteTab
   }
 }
 
-// Votes of rows [0, n): 64-row blocks by vote_blocks where B allows, the rest row by row.
-template <int kSub>
-void vote_all_simd(const uint8_t* signs, int64_t n, const ByteTable& lut, uint8_t* votes) {
-  const VoteTableSimd<kSub> table(lut);
-  const int64_t blocks = n / 64;
-  parallel_rows(blocks, [&](int64_t, int64_t begin, int64_t end) {
-    vote_blocks<kSub>(signs, 64 * begin, 64 * end, table, votes);
-  });
-  vote_rows(signs, 64 * blocks, n, kSub, lut, votes);
+// Votes of rows [begin, end), begin a multiple of 64: 64-row blocks by vote_blocks where
+// B allows, the rest row by row.
+void vote_range(const uint8_t* signs, int64_t begin, int64_t end, int64_t n_sub, const ByteTable& lut,
+                uint8_t* votes) {
+  const int64_t blocks_end = n_sub == 8 || n_sub == 16 ? begin + (end - begin) / 64 * 64 : begin;
+  if (n_sub == 8) vote_blocks<8>(signs, begin, blocks_end, VoteTableSimd<8>(lut), votes);
+  if (n_sub == 16) vote_blocks<16>(signs, begin, blocks_end, VoteTableSimd<16>(lut), votes);
+  vote_rows(signs, blocks_end, end, n_sub, lut, votes);
 }
 
 // The mask of the first min(rows, 64) of 64 bytes: a whole block, or the last one.
@@ -228,19 +234,10 @@ ByteTable vote_table(const float* scores, const int32_t* counts, int64_t n_sub, 
   return lut;
 }
 
-// Rows [count] of one head: every row voting above the threshold t and the lowest rows
-// at t. Rows >= n vote -1 (stored as 0), so with n < count the rows n, n+1, … fill in.
-void coarse_head(const uint8_t* signs, int64_t cap, int64_t n_sub, const ByteTable& lut, int64_t n,
-                 int64_t count, uint8_t* votes, int32_t* out) {
-  n = std::clamp<int64_t>(n, 0, cap);
-  if (n_sub == 8) {
-    vote_all_simd<8>(signs, n, lut, votes);
-  } else if (n_sub == 16) {
-    vote_all_simd<16>(signs, n, lut, votes);
-  } else {
-    parallel_rows(n, [&](int64_t, int64_t begin, int64_t end) { vote_rows(signs, begin, end, n_sub, lut, votes); });
-  }
-  std::memset(votes + n, 0, cap - n);
+// Rows [count] of one head from its votes[cap]: every row voting above the threshold t
+// and the lowest rows at t. Rows >= n vote -1 (stored as 0), so with n < count the rows
+// n, n+1, … fill in.
+void most_voted_rows(const uint8_t* votes, int64_t cap, int64_t count, int32_t* out) {
   // t: the largest value with at least `count` rows at or above it (bisection).
   int lo = 0, hi = kMaxVote + 1;  // count_at_least(lo) >= count > count_at_least(hi)
   while (hi - lo > 1) {
@@ -262,8 +259,9 @@ void coarse_head(const uint8_t* signs, int64_t cap, int64_t n_sub, const ByteTab
   }
 }
 
-ffi::Error coarse(ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> counts,
-                  ffi::Buffer<ffi::F32> caps, ffi::Buffer<ffi::S32> n, ffi::ResultBuffer<ffi::S32> out) {
+ffi::Error coarse(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::F32> scores,
+                  ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::F32> caps, ffi::Buffer<ffi::S32> n,
+                  ffi::ResultBuffer<ffi::S32> out) {
   const auto sd = signs.dimensions(), od = out->dimensions();
   if (sd.size() < 2 || od.size() != sd.size() - 1)
     return ffi::Error::InvalidArgument("pariskv_coarse: signs [..., cap, B], out [..., C]");
@@ -276,14 +274,26 @@ ffi::Error coarse(ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::F32> scores, ffi:
   if (count < 1 || count > cap) return ffi::Error::InvalidArgument("pariskv_coarse: need 1 <= C <= cap");
   if (n_tiers * n_sub >= kMaxVote)
     return ffi::Error::InvalidArgument("pariskv_coarse: a key's votes (tiers × B) must stay below 255");
-  std::vector<uint8_t> votes(cap);
-  for (int64_t h = 0; h < batch; ++h) {
-    const ByteTable lut = vote_table(scores.typed_data() + h * n_sub * kPatterns,
-                                     counts.typed_data() + h * n_sub * kPatterns, n_sub,
-                                     caps.typed_data() + h * n_tiers, n_tiers);
-    coarse_head(signs.typed_data() + h * cap * n_sub, cap, n_sub, lut, n.typed_data()[h], count, votes.data(),
-                out->typed_data() + h * count);
-  }
+  // Three passes over the heads, each split over the threads: the vote tables, the votes
+  // in blocks of kVoteRows rows, then each head's threshold and rows.
+  constexpr int64_t kVoteRows = 16384;  // a multiple of 64
+  std::vector<ByteTable> luts(batch);
+  parallel_for(pool, batch, [&](int64_t h) {
+    luts[h] = vote_table(scores.typed_data() + h * n_sub * kPatterns, counts.typed_data() + h * n_sub * kPatterns,
+                         n_sub, caps.typed_data() + h * n_tiers, n_tiers);
+  });
+  std::unique_ptr<uint8_t[]> votes(new uint8_t[batch * cap]);
+  const int64_t blocks = (cap + kVoteRows - 1) / kVoteRows;
+  parallel_for(pool, batch * blocks, [&](int64_t item) {
+    const int64_t h = item / blocks, begin = item % blocks * kVoteRows, end = std::min(begin + kVoteRows, cap);
+    const int64_t valid_end = std::clamp<int64_t>(n.typed_data()[h], begin, end);
+    uint8_t* head_votes = votes.get() + h * cap;
+    vote_range(signs.typed_data() + h * cap * n_sub, begin, valid_end, n_sub, luts[h], head_votes);
+    std::memset(head_votes + valid_end, 0, end - valid_end);  // rows >= n
+  });
+  parallel_for(pool, batch, [&](int64_t h) {
+    most_voted_rows(votes.get() + h * cap, cap, count, out->typed_data() + h * count);
+  });
   return ffi::Error::Success();
 }
 
@@ -355,7 +365,8 @@ float estimate_row(const RerankQuery& rq, const uint8_t* signs, const uint8_t* p
   return _mm512_reduce_add_ps(acc);
 }
 
-ffi::Error rerank(ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::U8> magnitudes, ffi::Buffer<ffi::BF16> scale,
+ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::U8> magnitudes,
+                  ffi::Buffer<ffi::BF16> scale,
                   ffi::Buffer<ffi::U8> weight_codes, ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::F32> q_norm,
                   ffi::Buffer<ffi::F32> centres, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
   const auto sd = signs.dimensions(), qd = q_rot.dimensions(), rd = rows.dimensions();
@@ -369,14 +380,22 @@ ffi::Error rerank(ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::U8> magnitudes, f
       weight_codes.element_count() != batch * cap * weight_bytes || q_norm.element_count() != batch ||
       centres.element_count() != batch * 8 || rows.element_count() != batch * count)
     return ffi::Error::InvalidArgument("pariskv_rerank: code arrays do not match signs [..., cap, B]");
+  std::vector<RerankQuery> queries(batch);
   for (int64_t h = 0; h < batch; ++h) {
-    RerankQuery rq{p, n_sub, {}, {}};
+    RerankQuery& rq = queries[h];
+    rq.p = p, rq.n_sub = n_sub;
     const float* q = q_rot.typed_data() + h * p;
     for (int64_t c = 0; c < p / 16; ++c) rq.q[c] = _mm512_loadu_ps(q + 16 * c);
     alignas(64) float table[16];
     const float* centre = centres.typed_data() + h * 8;
     for (int i = 0; i < 8; ++i) table[i] = centre[i], table[8 + i] = -centre[i];
     rq.signed_centres = _mm512_load_ps(table);
+  }
+  // Items of kRerankRows candidates of one head, split over the threads.
+  constexpr int64_t kRerankRows = 512;
+  const int64_t chunks = (count + kRerankRows - 1) / kRerankRows;
+  parallel_for(pool, batch * chunks, [&](int64_t item) {
+    const int64_t h = item / chunks, begin = item % chunks * kRerankRows, end = std::min(begin + kRerankRows, count);
     const uint8_t* s = signs.typed_data() + h * cap * n_sub;
     const uint8_t* mag = magnitudes.typed_data() + h * cap * kMagnitudeBits * (p / 8);
     const uint16_t* sc = scale.typed_data() + h * cap;
@@ -386,21 +405,19 @@ ffi::Error rerank(ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::U8> magnitudes, f
     const float norm = q_norm.typed_data()[h];
     // The rows are scattered over the index: fetch a few rows ahead (4 arrays per row).
     constexpr int64_t kAhead = 16;
-    parallel_rows(count, [&](int64_t, int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        if (i + kAhead < end) {
-          const int64_t ahead = std::clamp<int64_t>(row[i + kAhead], 0, cap - 1);
-          _mm_prefetch(reinterpret_cast<const char*>(s + ahead * n_sub), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(mag + ahead * kMagnitudeBits * (p / 8)), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(sc + ahead), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(wc + ahead * weight_bytes), _MM_HINT_T0);
-        }
-        const int64_t r = std::clamp<int64_t>(row[i], 0, cap - 1);
-        est[i] = norm * estimate_row(rq, s + r * n_sub, mag + r * kMagnitudeBits * (p / 8), sc[r],
-                                     wc + r * weight_bytes);
+    for (int64_t i = begin; i < end; ++i) {
+      if (i + kAhead < end) {
+        const int64_t ahead = std::clamp<int64_t>(row[i + kAhead], 0, cap - 1);
+        _mm_prefetch(reinterpret_cast<const char*>(s + ahead * n_sub), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(mag + ahead * kMagnitudeBits * (p / 8)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(sc + ahead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wc + ahead * weight_bytes), _MM_HINT_T0);
       }
-    });
-  }
+      const int64_t r = std::clamp<int64_t>(row[i], 0, cap - 1);
+      est[i] = norm * estimate_row(queries[h], s + r * n_sub, mag + r * kMagnitudeBits * (p / 8), sc[r],
+                                   wc + r * weight_bytes);
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -450,24 +467,25 @@ void top_k_row(const float* values, int64_t c, int64_t k, int32_t* out) {
   for (int64_t i = 0; i < k; ++i) out[i] = static_cast<int32_t>(sorted[i]);
 }
 
-ffi::Error top_k(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> out) {
+ffi::Error top_k(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> out) {
   const auto vd = values.dimensions(), od = out->dimensions();
   if (vd.size() < 1 || od.size() != vd.size())
     return ffi::Error::InvalidArgument("top_k: values [..., C], out [..., k]");
   const int64_t c = vd.back(), k = od.back(), batch = product(vd, 0, vd.size() - 1);
   if (k < 1 || k > c || product(od, 0, od.size() - 1) != batch)
     return ffi::Error::InvalidArgument("top_k: need 1 <= k <= C and the same batch axes");
-  for (int64_t h = 0; h < batch; ++h) top_k_row(values.typed_data() + h * c, c, k, out->typed_data() + h * k);
+  parallel_for(pool, batch, [&](int64_t h) { top_k_row(values.typed_data() + h * c, c, k, out->typed_data() + h * k); });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TopK, top_k,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PariskvCoarse, coarse,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -477,6 +495,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PariskvCoarse, coarse,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PariskvRerank, rerank,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
