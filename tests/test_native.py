@@ -126,6 +126,12 @@ def test_native_mode_is_validated():
     index = pariskv.build(CFG, _keys(4, (300, 256)), jnp.int32(300))  # P = 256: too wide
     with pytest.raises(ValueError, match="P"):
         pariskv.retrieve(CFG, index, _keys(5, (256,)))
+    # The kernel walks the tiers in order: caps that do not ascend are refused, not misread.
+    signs, scores = jnp.zeros((100, 8), jnp.uint8), jnp.zeros((8, 256), jnp.float32)
+    counts = jnp.zeros((8, 256), jnp.int32).at[:, 0].set(100)
+    descending = jnp.asarray([6.0, 5, 4, 3, 2, 1])
+    with pytest.raises(Exception, match="caps must ascend"):
+        native.coarse_rows(signs, scores, counts, descending, jnp.int32(100), 10).block_until_ready()
 
 
 def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer):  # noqa: F811

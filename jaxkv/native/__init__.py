@@ -103,8 +103,9 @@ def coarse_rows(signs: jax.Array, scores: jax.Array, bucket_counts: jax.Array, c
     int32 [..., count].
 
     signs uint8 [..., cap, B]; scores float32 [..., B, 256] and caps float32 [..., tiers]
-    from ``pariskv.pattern_scores_and_caps``; bucket_counts int32 [..., B, 256]; n [...]
-    the valid rows. Leading axes are batch axes (here and in every function of this module).
+    (ascending) from ``pariskv.pattern_scores_and_caps``; bucket_counts int32 [..., B, 256];
+    n [...] the valid rows. Leading axes are batch axes (here and in every function of this
+    module).
     """
     _load()
     batch = signs.shape[:-2]

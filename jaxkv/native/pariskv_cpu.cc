@@ -64,12 +64,11 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
 
 // ---------------------------------------------------------------- coarse stage
 
-// Each key's votes + 1 in a byte (0 for rows >= n). The vote table is bytes too (a key
-// earns at most 254 votes).
-using ByteTable = std::vector<uint8_t>;  // [B, 256]
+// Each key's votes + 1 in a byte (0 for rows >= n). The vote table is bytes too, lut[B, 256]
+// (a key earns at most 254 votes).
 
 // Rows [begin, end) one at a time; the table stays in L1.
-void vote_rows(const uint8_t* signs, int64_t begin, int64_t end, int64_t n_sub, const ByteTable& lut,
+void vote_rows(const uint8_t* signs, int64_t begin, int64_t end, int64_t n_sub, const uint8_t* lut,
                uint8_t* votes) {
   for (int64_t r = begin; r < end; ++r) {
     const uint8_t* row = signs + r * n_sub;
@@ -85,9 +84,9 @@ void vote_rows(const uint8_t* signs, int64_t begin, int64_t end, int64_t n_sub, 
 template <int kSub>
 struct VoteTableSimd {
   __m512i part[kSub][4];
-  explicit VoteTableSimd(const ByteTable& lut) {
+  explicit VoteTableSimd(const uint8_t* lut) {
     for (int b = 0; b < kSub; ++b)
-      for (int i = 0; i < 4; ++i) part[b][i] = _mm512_loadu_si512(lut.data() + b * kPatterns + 64 * i);
+      for (int i = 0; i < 4; ++i) part[b][i] = _mm512_loadu_si512(lut + b * kPatterns + 64 * i);
   }
 };
 
@@ -152,7 +151,7 @@ void vote_blocks(const uint8_t* signs, int64_t begin, int64_t end, const VoteTab
 
 // Votes of rows [begin, end), begin a multiple of 64: 64-row blocks by vote_blocks where
 // B allows, the rest row by row.
-void vote_range(const uint8_t* signs, int64_t begin, int64_t end, int64_t n_sub, const ByteTable& lut,
+void vote_range(const uint8_t* signs, int64_t begin, int64_t end, int64_t n_sub, const uint8_t* lut,
                 uint8_t* votes) {
   const int64_t blocks_end = n_sub == 8 || n_sub == 16 ? begin + (end - begin) / 64 * 64 : begin;
   if (n_sub == 8) vote_blocks<8>(signs, begin, blocks_end, VoteTableSimd<8>(lut), votes);
@@ -215,23 +214,19 @@ std::array<uint8_t, kPatterns> ranked_patterns(const float* score) {
   return ranked;
 }
 
-// pariskv.vote_table from its inputs: walking the ranked patterns, a pattern gets
-// n_tiers − (tier caps its cumulative key count exceeds) votes, at least 0. The
-// comparisons are the XLA path's (count as float32 against the float32 caps), so the
-// table is the same.
-ByteTable vote_table(const float* scores, const int32_t* counts, int64_t n_sub, const float* caps,
-                     int64_t n_tiers) {
-  ByteTable lut(n_sub * kPatterns);
-  for (int64_t b = 0; b < n_sub; ++b) {
-    int32_t covered = 0;
-    for (const uint8_t pattern : ranked_patterns(scores + b * kPatterns)) {
-      covered += counts[b * kPatterns + pattern];
-      int64_t passed = 0;
-      for (int64_t t = 0; t < n_tiers; ++t) passed += static_cast<float>(covered) > caps[t];
-      lut[b * kPatterns + pattern] = static_cast<uint8_t>(std::max<int64_t>(n_tiers - passed, 0));
-    }
+// One subspace's row of pariskv.vote_table, lut[256]: walking the ranked patterns, a
+// pattern gets n_tiers − (tier caps its cumulative key count exceeds) votes, at least 0.
+// The comparisons are the XLA path's (count as float32 against the float32 caps), so the
+// table is the same. The count only grows along the walk and the caps ascend, so the
+// caps passed are a pointer that only moves forward.
+void subspace_votes(const float* score, const int32_t* count, const float* caps, int64_t n_tiers, uint8_t* lut) {
+  int32_t covered = 0;
+  int64_t passed = 0;
+  for (const uint8_t pattern : ranked_patterns(score)) {
+    covered += count[pattern];
+    while (passed < n_tiers && static_cast<float>(covered) > caps[passed]) ++passed;
+    lut[pattern] = static_cast<uint8_t>(n_tiers - passed);
   }
-  return lut;
 }
 
 // Rows [count] of one head from its votes[cap]: every row voting above the threshold t
@@ -274,13 +269,18 @@ ffi::Error coarse(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
   if (count < 1 || count > cap) return ffi::Error::InvalidArgument("pariskv_coarse: need 1 <= C <= cap");
   if (n_tiers * n_sub >= kMaxVote)
     return ffi::Error::InvalidArgument("pariskv_coarse: a key's votes (tiers × B) must stay below 255");
-  // Three passes over the heads, each split over the threads: the vote tables, the votes
-  // in blocks of kVoteRows rows, then each head's threshold and rows.
+  for (int64_t h = 0; h < batch; ++h) {
+    const float* head_caps = caps.typed_data() + h * n_tiers;
+    if (!std::is_sorted(head_caps, head_caps + n_tiers))
+      return ffi::Error::InvalidArgument("pariskv_coarse: the tier caps must ascend");
+  }
+  // Three passes, each split over the threads: the vote tables by subspace, the votes in
+  // blocks of kVoteRows rows, then each head's threshold and rows.
   constexpr int64_t kVoteRows = 16384;  // a multiple of 64
-  std::vector<ByteTable> luts(batch);
-  parallel_for(pool, batch, [&](int64_t h) {
-    luts[h] = vote_table(scores.typed_data() + h * n_sub * kPatterns, counts.typed_data() + h * n_sub * kPatterns,
-                         n_sub, caps.typed_data() + h * n_tiers, n_tiers);
+  std::vector<uint8_t> luts(batch * n_sub * kPatterns);
+  parallel_for(pool, batch * n_sub, [&](int64_t item) {
+    subspace_votes(scores.typed_data() + item * kPatterns, counts.typed_data() + item * kPatterns,
+                   caps.typed_data() + item / n_sub * n_tiers, n_tiers, luts.data() + item * kPatterns);
   });
   std::unique_ptr<uint8_t[]> votes(new uint8_t[batch * cap]);
   const int64_t blocks = (cap + kVoteRows - 1) / kVoteRows;
@@ -288,7 +288,7 @@ ffi::Error coarse(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
     const int64_t h = item / blocks, begin = item % blocks * kVoteRows, end = std::min(begin + kVoteRows, cap);
     const int64_t valid_end = std::clamp<int64_t>(n.typed_data()[h], begin, end);
     uint8_t* head_votes = votes.get() + h * cap;
-    vote_range(signs.typed_data() + h * cap * n_sub, begin, valid_end, n_sub, luts[h], head_votes);
+    vote_range(signs.typed_data() + h * cap * n_sub, begin, valid_end, n_sub, luts.data() + h * n_sub * kPatterns, head_votes);
     std::memset(head_votes + valid_end, 0, end - valid_end);  // rows >= n
   });
   parallel_for(pool, batch, [&](int64_t h) {
