@@ -25,7 +25,7 @@ import jax.numpy as jnp
 SOURCE = pathlib.Path(__file__).with_name("pariskv_cpu.cc")
 TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "PariskvRerank",
            "jaxkv_top_k": "TopK"}
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi")  # byte permutes for the votes
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2")  # byte permutes for the votes, bit deposits
 
 
 class NativeUnavailable(RuntimeError):
