@@ -60,6 +60,20 @@ def test_native_candidates_scores_and_selection_equal_the_xla_path(d, n):
     assert int(sel_x.mask.sum()) == heads * min(n, CFG.top_k)
 
 
+@pytest.mark.parametrize("n", [40_000, 35_000, 20_000, 3_000])
+def test_native_candidates_across_vote_blocks(n):
+    """The kernel votes in blocks of 16,384 rows, split over threads: 40,000 rows are three
+    blocks, the last one partial; the valid rows end inside the last block, or before it
+    (blocks with no valid row), or before the 4,000 candidates are reached (the invalid rows
+    fill in: their votes must read as -1)."""
+    cap, heads = 40_000, 2
+    index = jax.vmap(lambda k: pariskv.build(CFG, k, jnp.int32(n)))(_keys(10, (heads, cap, 64)))
+    q = _keys(11, (heads, 3, 64))
+    candidates = jax.jit(jax.vmap(pariskv.coarse_candidates, in_axes=(None, 0, 0)), static_argnums=0)
+    np.testing.assert_array_equal(candidates(CFG, index, q),
+                                  candidates(dataclasses.replace(CFG, kernels="xla"), index, q))
+
+
 def test_native_vote_table_ranks_tied_patterns_as_the_xla_path():
     """Integer query coordinates tie many pattern scores exactly (see test_pariskv's
     test_vote_table_ranks_tied_patterns_by_the_lower_pattern): the kernel's ranking of
