@@ -10,7 +10,8 @@
 // coordinate over gathered copies of the rows. Here the vote table is bytes: with B = 8
 // subspaces, 64 rows' votes take 16 byte permutes (AVX-512 VBMI); the estimate reads
 // each row in place with one 16-entry permute per 16 coordinates. Heads and blocks of
-// rows are split over XLA's intra-op thread pool. Every leading axis of the arguments is a batch axis (vmap, broadcast_all).
+// rows are split over XLA's intra-op thread pool. Every leading axis of the arguments is
+// a batch axis (vmap, broadcast_all).
 
 #include <immintrin.h>
 
@@ -60,6 +61,17 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work(); });
   work();
   while (progress->done.load(std::memory_order_acquire) < n) _mm_pause();
+}
+
+// fn(h, begin, end) for every chunk [begin, end) of at most `chunk` of the `n` rows of
+// each of `batch` heads, the chunks split over the threads as parallel_for's items.
+template <typename Fn>
+void parallel_chunks(ffi::ThreadPool& pool, int64_t batch, int64_t n, int64_t chunk, const Fn& fn) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  parallel_for(pool, batch * chunks, [&](int64_t item) {
+    const int64_t begin = item % chunks * chunk;
+    fn(item / chunks, begin, std::min(begin + chunk, n));
+  });
 }
 
 // ---------------------------------------------------------------- coarse stage
@@ -259,7 +271,8 @@ void most_voted_rows(const uint8_t* votes, int64_t cap, int64_t count, int32_t* 
       const __mmask16 rows = static_cast<__mmask16>(keep >> (16 * quarter));
       const int n_rows = __builtin_popcount(rows);
       const __m512i ids = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(base + 16 * quarter)));
-      _mm512_mask_storeu_epi32(out + k, static_cast<__mmask16>((1u << n_rows) - 1), _mm512_maskz_compress_epi32(rows, ids));
+      _mm512_mask_storeu_epi32(out + k, static_cast<__mmask16>((1u << n_rows) - 1),
+                               _mm512_maskz_compress_epi32(rows, ids));
       k += n_rows;
     }
   }
@@ -294,12 +307,11 @@ ffi::Error coarse(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
                    caps.typed_data() + item / n_sub * n_tiers, n_tiers, luts.data() + item * kPatterns);
   });
   std::unique_ptr<uint8_t[]> votes(new uint8_t[batch * cap]);
-  const int64_t blocks = (cap + kVoteRows - 1) / kVoteRows;
-  parallel_for(pool, batch * blocks, [&](int64_t item) {
-    const int64_t h = item / blocks, begin = item % blocks * kVoteRows, end = std::min(begin + kVoteRows, cap);
+  parallel_chunks(pool, batch, cap, kVoteRows, [&](int64_t h, int64_t begin, int64_t end) {
     const int64_t valid_end = std::clamp<int64_t>(n.typed_data()[h], begin, end);
     uint8_t* head_votes = votes.get() + h * cap;
-    vote_range(signs.typed_data() + h * cap * n_sub, begin, valid_end, n_sub, luts.data() + h * n_sub * kPatterns, head_votes);
+    vote_range(signs.typed_data() + h * cap * n_sub, begin, valid_end, n_sub, luts.data() + h * n_sub * kPatterns,
+               head_votes);
     std::memset(head_votes + valid_end, 0, end - valid_end);  // rows >= n
   });
   parallel_for(pool, batch, [&](int64_t h) {
@@ -404,9 +416,7 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
   }
   // Items of kRerankRows candidates of one head, split over the threads.
   constexpr int64_t kRerankRows = 512;
-  const int64_t chunks = (count + kRerankRows - 1) / kRerankRows;
-  parallel_for(pool, batch * chunks, [&](int64_t item) {
-    const int64_t h = item / chunks, begin = item % chunks * kRerankRows, end = std::min(begin + kRerankRows, count);
+  parallel_chunks(pool, batch, count, kRerankRows, [&](int64_t h, int64_t begin, int64_t end) {
     const uint8_t* s = signs.typed_data() + h * cap * n_sub;
     const uint8_t* mag = magnitudes.typed_data() + h * cap * kMagnitudeBits * (p / 8);
     const uint16_t* sc = scale.typed_data() + h * cap;
@@ -485,14 +495,18 @@ ffi::Error top_k(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> values, ffi::Result
   const int64_t c = vd.back(), k = od.back(), batch = product(vd, 0, vd.size() - 1);
   if (k < 1 || k > c || product(od, 0, od.size() - 1) != batch)
     return ffi::Error::InvalidArgument("top_k: need 1 <= k <= C and the same batch axes");
-  parallel_for(pool, batch, [&](int64_t h) { top_k_row(values.typed_data() + h * c, c, k, out->typed_data() + h * k); });
+  parallel_for(pool, batch,
+               [&](int64_t h) { top_k_row(values.typed_data() + h * c, c, k, out->typed_data() + h * k); });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TopK, top_k,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PariskvCoarse, coarse,
                               ffi::Ffi::Bind()
