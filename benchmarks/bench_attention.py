@@ -24,9 +24,10 @@ nor drop it.
   pinned_host memory), the state threaded through the loop as generate()
   does: append, the method's select, the host gather, the correction,
   attention over the selection, the exact sink + window partial and the merge.
-  ``pariskv-100-native`` and ``pariskv-2048-native`` (run only when
-  ``--methods`` names them) are ParisKV with its selection in ``jaxkv.native``'s
-  CPU kernels.
+  ``magicpig-native``, ``pariskv-100-native`` and ``pariskv-2048-native`` (run
+  only when ``--methods`` names them) are the methods with their selection in
+  ``jaxkv.native``'s CPU kernels (MagicPIG's insertion too, its id lists on the
+  device).
 - flush: the move of U window rows into retrieval and the index, timed alone
   in the same way (the lengths put back each iteration). generate() runs it
   once every U steps; the step loop keeps the window from filling, and the
@@ -96,6 +97,7 @@ METHODS = {
     "pariskv-100": ("pariskv top100", pariskv, pariskv.ParisKVConfig(top_k=100)),
     "pariskv-2048": ("pariskv top2048", pariskv, pariskv.ParisKVConfig(top_k=2048)),
     # The same selection in jaxkv.native's CPU kernels (not in the default run: AVX-512 VBMI only).
+    "magicpig-native": ("magicpig K10L150 native", magicpig, magicpig.MagicPIGConfig(kernels="native")),
     "pariskv-100-native": ("pariskv top100 native", pariskv, pariskv.ParisKVConfig(top_k=100, kernels="native")),
     "pariskv-2048-native": ("pariskv top2048 native", pariskv, pariskv.ParisKVConfig(top_k=2048, kernels="native")),
 }
@@ -212,7 +214,7 @@ def region_state(method, mcfg, staging_k, staging_v, n: int, key):
                      mcfg=mcfg, ccfg=ccfg, capacity=capacity)
     if not build_here:
         index = magicpig_index(mcfg, state.retr_k, int(state.retr_len[0]), key)
-        state = dataclasses.replace(state, index=kvcache.place_index(index, method, ccfg, host=True))
+        state = dataclasses.replace(state, index=kvcache.place_index(index, method, mcfg, ccfg, host=True))
     return jax.block_until_ready(state), ccfg
 
 
@@ -265,16 +267,19 @@ def bench_flush(state, ccfg, method, mcfg, timing: Timing):
 
     Only the work is measured: the index's contents drift from one iteration
     to the next (the same rows are inserted again), and the state returned is
-    for discarding.
+    for discarding. The index's lengths put back are its n and MagicPIG's
+    bucket starts (whose last entry is the id lists' length: the native merge
+    refuses lists that would overflow).
     """
     full = jnp.full_like(state.win_len, ccfg.local + ccfg.buffer)
+    lengths = {f: jnp.copy(getattr(state.index, f)) for f in ("n", "bucket_starts") if hasattr(state.index, f)}
 
-    def body(i, state, retr_len, n):
+    def body(i, state, retr_len, lengths):
         state = dataclasses.replace(state, win_len=full, retr_len=retr_len,
-                                    index=dataclasses.replace(state.index, n=n))
+                                    index=dataclasses.replace(state.index, **lengths))
         return kvcache.flush(state, method=method, mcfg=mcfg, ccfg=ccfg)
 
-    return time_in_loop(body, state, (jnp.copy(state.retr_len), jnp.copy(state.index.n)), timing, donate=True)
+    return time_in_loop(body, state, (jnp.copy(state.retr_len), lengths), timing, donate=True)
 
 
 def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]:
@@ -283,7 +288,7 @@ def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]
     Timed per call, not in a loop: looped alone, stages ran slower than inside
     the looped step (ParisKV's votes at 64k: 5.8 ms, the whole step 6.3 ms).
     """
-    select_one = kvcache.method_select(method, ccfg)
+    select_one = kvcache.method_select(method, mcfg, ccfg)
     select = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select_one(mcfg, ix, qq)))
     sel = jax.block_until_ready(select(state.index, qg))
     gather = jax.jit(lambda rk, rv, idx: (kvcache.gather_rows(rk, idx, ccfg), kvcache.gather_rows(rv, idx, ccfg)))

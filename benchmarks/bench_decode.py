@@ -30,13 +30,14 @@ import jax
 
 
 def methods(native: bool = False) -> dict:
-    """row name → (generate()'s method, its config); with native, ParisKV's selection in
-    jaxkv.native's CPU kernels as one more row."""
+    """row name → (generate()'s method, its config); with native, MagicPIG and ParisKV with
+    their selection in jaxkv.native's CPU kernels as two more rows."""
     from jaxkv.attention import magicpig, pariskv
 
     rows = {"dense": (None, None), "magicpig": ("magicpig", magicpig.MagicPIGConfig()),
             "pariskv": ("pariskv", pariskv.ParisKVConfig())}
     if native:
+        rows["magicpig-native"] = ("magicpig", magicpig.MagicPIGConfig(kernels="native"))
         rows["pariskv-native"] = ("pariskv", pariskv.ParisKVConfig(kernels="native"))
     return rows
 
@@ -71,7 +72,7 @@ def main(argv=None):
     parser.add_argument("--out", default="results/bench_decode.json")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers reference row")
     parser.add_argument("--native", action="store_true",
-                        help="add a row for ParisKV with kernels='native' (jaxkv.native's CPU kernels)")
+                        help="add rows for MagicPIG and ParisKV with kernels='native' (jaxkv.native's CPU kernels)")
     args = parser.parse_args(argv)
 
     import jaxkv

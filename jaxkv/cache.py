@@ -72,7 +72,7 @@ class CacheConfig:
     retrieval row read). None = ParisKV's rule max(2000, S + W + 2·top_k);
     0 disables the fallback.
     offload: keep retrieval K/V and the index's bulk fields (a method's
-    ``HOST_INDEX_FIELDS``) in pinned host memory (False: on the device).
+    ``host_index_fields(mcfg)``) in pinned host memory (False: on the device).
     slot_block: slots of a selection gathered and attended at a time on the
     XLA path, for a method whose correction is slot-wise (MagicPIG): blocks
     past the last slot in use are not read.
@@ -165,16 +165,22 @@ def _host_index_take(array, flat_idx):
     return host_take(array.reshape(-1), flat_idx)
 
 
-def method_select(method, ccfg):
+def host_index_fields(method, mcfg) -> tuple[str, ...]:
+    """The index fields that live in host memory with offload: the method's
+    ``host_index_fields(mcfg)``, none for a method without it."""
+    return method.host_index_fields(mcfg) if hasattr(method, "host_index_fields") else ()
+
+
+def method_select(method, mcfg, ccfg):
     """method.select as the cache calls it: host-resident index fields read by host gather."""
-    if ccfg.offload and getattr(method, "HOST_INDEX_FIELDS", ()):
+    if ccfg.offload and host_index_fields(method, mcfg):
         return functools.partial(method.select, take=_host_index_take)
     return method.select
 
 
-def place_index(index, method, ccfg, *, host: bool):
-    """The index with the method's bulk fields (``HOST_INDEX_FIELDS``) in host (or device) memory."""
-    fields = getattr(method, "HOST_INDEX_FIELDS", ())
+def place_index(index, method, mcfg, ccfg, *, host: bool):
+    """The index with the method's bulk fields (:func:`host_index_fields`) in host (or device) memory."""
+    fields = host_index_fields(method, mcfg)
     move = _host if host else _device
     return dataclasses.replace(index, **{f: move(getattr(index, f), ccfg) for f in fields}) if fields else index
 
@@ -224,7 +230,7 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     retr_v = v[:, :, s:s + capacity]
     n = jnp.broadcast_to(retr_len[:, None], (b, h))
     index = over_batch_heads(lambda kk, vv, nn: common.build_index(method, mcfg, kk, vv, nn, key))(retr_k, retr_v, n)
-    index = place_index(index, method, ccfg, host=True)
+    index = place_index(index, method, mcfg, ccfg, host=True)
     return RegionKV(
         sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
         retr_k=_host(retr_k, ccfg), retr_v=_host(retr_v, ccfg), index=index,
@@ -262,10 +268,10 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
     count = jnp.broadcast_to(jnp.where(full, u, 0)[:, None], (b, h)).astype(jnp.int32)
     # Inserting permutes whole id lists: host-resident index fields visit the
     # device once per flush (every U steps), not once per step.
-    index = place_index(state.index, method, ccfg, host=False)
+    index = place_index(state.index, method, mcfg, ccfg, host=False)
     index = over_batch_heads(lambda ix, kk, vv, c: common.insert_index(method, mcfg, ix, kk, vv, c))(
         index, moved_k, moved_v, count)
-    index = place_index(index, method, ccfg, host=True)
+    index = place_index(index, method, mcfg, ccfg, host=True)
     moved = jnp.where(full, u, 0)
     return dataclasses.replace(
         state,
@@ -417,7 +423,7 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     block by block for a method whose correction is slot-wise
     (``SLOT_WISE_CORRECTION``) and whose selection exceeds a block.
     """
-    select = method_select(method, ccfg)
+    select = method_select(method, mcfg, ccfg)
     sel = over_batch_heads(lambda ix, qq: select(mcfg, ix, qq))(state.index, q)
     if not ccfg.offload and getattr(mcfg, "uses_kernels", lambda: False)():
         # The kernel gathers rows of the device-resident region itself: no copy of V.

@@ -162,7 +162,7 @@ def test_magicpig_read_in_blocks_of_slots_decodes_as_one_pass():
     # What the blocks covered: several blocks used, and unused ones past them (skipped).
     q = jnp.asarray(q.reshape(2, H, 3, HD))  # the query group of each KV head
     mcfg = SMALL_MAGICPIG
-    select = kvcache.method_select(magicpig, kvcache.CacheConfig(offload=True))  # the id lists are in host memory
+    select = kvcache.method_select(magicpig, mcfg, kvcache.CacheConfig(offload=True))  # the id lists are in host memory
     sel = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select(mcfg, ix, qq)))(state.index, q)
     used, slots = int(kvcache._used_slots(sel)), sel.idx.shape[-1]
     assert used % 3 and 2 * 3 < used < slots - 3, (used, slots)  # a partial last block

@@ -1,7 +1,8 @@
-"""jaxkv.native's CPU kernels (``ParisKVConfig(kernels="native")``) against the XLA path.
+"""jaxkv.native's CPU kernels (``ParisKVConfig(kernels="native")``,
+``MagicPIGConfig(kernels="native")``) against the XLA path.
 
-The coarse stage's rows are integers chosen by integer votes: they must be the XLA
-path's rows exactly. The rerank sums the same float32 products in another order:
+The coarse stage's rows are integers chosen by integer votes, MagicPIG's sample and its
+merged id lists are integers too: they must be the XLA path's exactly. The rerank sums the same float32 products in another order:
 relative error ~ P·eps ≈ 1.5e-5 at P = 128 in the worst case, far less in practice;
 the bound below is 1e-5 of the largest |score|.
 """
@@ -15,7 +16,7 @@ import pytest
 
 import jaxkv
 from jaxkv import native
-from jaxkv.attention import pariskv, rsq
+from jaxkv.attention import magicpig, pariskv, rsq
 from jaxkv.cache import CacheConfig
 from tests.test_generate import _prompts
 from tests.test_kernels_end_to_end import one_layer  # noqa: F401  (fixture)
@@ -148,17 +149,111 @@ def test_native_mode_is_validated():
         native.coarse_rows(signs, scores, counts, descending, jnp.int32(100), 10).block_until_ready()
 
 
-def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer):  # noqa: F811
+@pytest.mark.parametrize("method, mcfg", [
+    ("pariskv", pariskv.ParisKVConfig(top_k=12, sink=2, local=4, buffer=3)),
+    ("magicpig", magicpig.MagicPIGConfig(K=4, L=8, sink=2, local=4, dense_layers=(), capacity=0.5,
+                                         candidate_capacity=1.0))])
+def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer, method, mcfg):  # noqa: F811
     """A sparse layer with no dense fallback: 24 keys in retrieval, the buffer (U = 3)
-    flushed into the index three times in 9 steps; the tiny model's d = 16 is P = 16."""
+    flushed into the index three times in 9 steps (MagicPIG's merge in the kernel, its id
+    lists on the device; on the XLA path in host memory); the tiny model's d = 16 is P = 16."""
     config, params = one_layer
     prompt = _prompts([30], seed=11)
     cache = CacheConfig(sink=2, local=4, buffer=3, dense_threshold=0)
-    mcfg = pariskv.ParisKVConfig(top_k=12, sink=2, local=4, buffer=3)
     tokens = {}
     for kernels in ("xla", "native"):
-        out = jaxkv.generate(params, config, prompt, max_new_tokens=9, eos_ids=(), method="pariskv",
+        out = jaxkv.generate(params, config, prompt, max_new_tokens=9, eos_ids=(), method=method,
                              method_config=dataclasses.replace(mcfg, kernels=kernels), cache_config=cache)
         tokens[kernels] = out.tokens, out.keys_read_fraction
     assert tokens["native"] == tokens["xla"]
     assert len(tokens["xla"][0][0]) == 9
+
+
+# ---------------------------------------------------------------- MagicPIG
+
+MAGICPIG = magicpig.MagicPIGConfig(kernels="native")
+
+
+def _magicpig_index(cfg, keys, n):
+    """One index per head of keys [H, cap, d] (the projection drawn per head)."""
+    return jax.vmap(lambda k, seed: magicpig.build(cfg, k, n, jax.random.key(seed)))(
+        keys, jnp.arange(keys.shape[0]))
+
+
+def _query_group(keys, n, seed):
+    """Query heads [H, 3, d] leaning towards some keys, so that many collide."""
+    near = keys[:, np.random.default_rng(seed).integers(0, n, 3)]
+    return near * 2 + 0.5 * _keys(seed, near.shape)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _magicpig_selects(cfgs, index, q):
+    def one_head(index, q):
+        return [magicpig.select_with_stats(cfg, index, q) for cfg in cfgs]
+    return jax.vmap(one_head)(index, q)
+
+
+# The default (K10L150, a sample capacity of N/8, every table read), then the static
+# capacities overflowing: a sample capacity below the union (truncated, lowest ids kept)
+# and a candidate capacity that stops heads after a few tables (tables_used < L); other
+# hit thresholds and code widths.
+@pytest.mark.parametrize("changes, truncated, stops_early", [
+    ({}, False, False), ({"capacity": 40}, True, False), ({"K": 8, "candidate_capacity": 0.05}, False, True),
+    ({"min_hits": 1, "K": 6, "L": 20, "capacity": 1.0}, False, False),
+    ({"min_hits": 3, "K": 4, "L": 40, "center": False, "capacity": 1.0, "candidate_capacity": 40.0},
+     False, False)])
+@pytest.mark.parametrize("n", [3000, 1700])
+def test_native_magicpig_sample_equals_the_xla_path(changes, truncated, stops_early, n):
+    heads, cap, d = 2, 3000, 64
+    cfg = dataclasses.replace(MAGICPIG, **changes)
+    keys = _keys(6, (heads, cap, d)) + 0.5  # off-centre: centring matters
+    index = _magicpig_index(cfg, keys, n)
+    q = _query_group(keys, n, 7)
+    (sel_x, stats_x), (sel_n, stats_n) = _magicpig_selects((dataclasses.replace(cfg, kernels="xla"), cfg), index, q)
+    np.testing.assert_array_equal(sel_n.idx, sel_x.idx)
+    np.testing.assert_array_equal(sel_n.mask, sel_x.mask)
+    for field in ("tables_used", "entries_read", "n_sampled", "truncated"):
+        np.testing.assert_array_equal(getattr(stats_n, field), getattr(stats_x, field))
+    # Not vacuous: keys were sampled, and each configuration overflows where it should.
+    assert stats_x.n_sampled.min() > 0
+    assert bool(stats_x.truncated.any()) == truncated
+    assert bool((stats_x.tables_used < cfg.L).any()) == stops_early
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _magicpig_inserts(cfgs, index, keys_new, count):
+    return [jax.vmap(lambda ix, k: magicpig.insert(cfg, ix, k, count))(index, keys_new) for cfg in cfgs]
+
+
+# All U new keys, some, none, and more than the capacity leaves room for (dropped).
+@pytest.mark.parametrize("n, count", [(2000, 64), (2000, 17), (2000, 0), (2980, 64)])
+def test_native_magicpig_merge_equals_the_xla_path(n, count):
+    heads, cap, d = 2, 3000, 64
+    keys = _keys(8, (heads, cap, d))
+    index = _magicpig_index(MAGICPIG, keys, n)
+    keys_new = _keys(9, (heads, 64, d)) * 1.5
+    merged_x, merged_n = _magicpig_inserts((dataclasses.replace(MAGICPIG, kernels="xla"), MAGICPIG), index,
+                                           keys_new, count)
+    for field in ("sorted_ids", "bucket_starts", "n", "n_dropped"):
+        np.testing.assert_array_equal(getattr(merged_n, field), getattr(merged_x, field))
+    assert (merged_x.n == min(n + count, cap)).all()
+    # The merge equals a build from all the keys at once, with the first build's μ.
+    total = min(n + count, cap)
+    all_keys = keys.at[:, n:total].set(keys_new[:, :total - n])
+    rebuilt = jax.vmap(lambda k, mu, seed: magicpig.build(MAGICPIG, k, total, jax.random.key(seed), mu=mu))(
+        all_keys, index.mu, jnp.arange(heads))
+    np.testing.assert_array_equal(merged_n.sorted_ids, rebuilt.sorted_ids)
+    np.testing.assert_array_equal(merged_n.bucket_starts, rebuilt.bucket_starts)
+
+
+def test_native_magicpig_is_validated():
+    assert MAGICPIG.uses_native() and not MAGICPIG.uses_kernels()
+    assert magicpig.host_index_fields(MAGICPIG) == () and magicpig.host_index_fields(magicpig.MagicPIGConfig())
+    index = magicpig.build(MAGICPIG, _keys(10, (500, 32)), 500, jax.random.key(0))
+    q = _keys(11, (2, 32))
+    with pytest.raises(ValueError, match="in place"):  # host-resident id lists cannot be read by the kernel
+        magicpig.select(MAGICPIG, index, q, take=lambda array, flat: array.reshape(-1)[flat])
+    # A merge that would overflow the id lists is refused, not written past their end.
+    codes = jnp.zeros((4, MAGICPIG.L), jnp.int32)
+    with pytest.raises(Exception, match="do not fit"):
+        native.magicpig_merge(index.sorted_ids, index.bucket_starts, codes, index.n)[0].block_until_ready()

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkv import native
 from jaxkv.attention import common
 from pallas_kernels import dispatch
 
@@ -90,8 +91,9 @@ TAIL_TERMS = 32
 # angle formula disagree (rounding at θ ≈ π); keeps −log u finite in float32.
 LOG_U_FLOOR = math.log(jnp.finfo(jnp.float32).tiny)
 # cfg.kernels → pallas_kernels.dispatch's use_kernel: None = the kernel iff the
-# backend is a GPU; "interpret" runs the kernel in Pallas interpret mode (CPU tests).
-KERNEL_MODES = {"auto": None, "xla": False, "pallas": True, "interpret": True}
+# backend is a GPU; "interpret" runs the kernel in Pallas interpret mode (CPU tests);
+# "native" runs the sampling and the merge in jaxkv.native's CPU kernels (XLA for the rest).
+KERNEL_MODES = {"auto": None, "xla": False, "pallas": True, "interpret": True, "native": False}
 
 
 def _is_int(x) -> bool:
@@ -116,8 +118,11 @@ class MagicPIGConfig:
     center: subtract the retrieval-region mean from keys before hashing.
     seed: folded into the per-layer PRNG key that draws the projection.
     kernels: "auto" (Pallas kernels iff the backend is a GPU), "xla" (never),
-        "pallas" (always, compiled) or "interpret" (always, Pallas interpret
-        mode). Hashing and candidate selection give the same result either way.
+        "pallas" (always, compiled), "interpret" (always, Pallas interpret
+        mode) or "native" (which keys collide, and the insertion's merge, in
+        ``jaxkv.native``'s CPU kernels; the id lists then stay in device memory,
+        where the kernels read them in place). Hashing and candidate selection
+        give the same result either way.
     """
 
     K: int = 10
@@ -176,6 +181,10 @@ class MagicPIGConfig:
         """Whether this config runs the Pallas kernels on the current backend."""
         return dispatch.kernel_path(**self.kernel_options())
 
+    def uses_native(self) -> bool:
+        """Whether the sampling and the merge run in ``jaxkv.native``'s CPU kernels."""
+        return self.kernels == "native"
+
     def sample_capacity(self, n_keys: int) -> int:
         """Static number of sampled-key slots for a retrieval capacity of n_keys."""
         return max(1, min(n_keys, _resolve(self.capacity, n_keys)))
@@ -195,6 +204,13 @@ def is_dense_layer(cfg: MagicPIGConfig, layer: int) -> bool:
 # at L=150): with host offload they live in host memory beside the retrieval
 # region, and select() reads the entries it needs through a host gather.
 HOST_INDEX_FIELDS = ("sorted_ids",)
+
+
+def host_index_fields(cfg: MagicPIGConfig) -> tuple[str, ...]:
+    """The index fields the cache keeps in host memory. None for the CPU kernels: on the
+    CPU the device's memory is host memory, and the lists stay where the merge rewrites
+    them in place (host-resident lists visit the device and come back on every flush)."""
+    return () if cfg.uses_native() else HOST_INDEX_FIELDS
 # correction() of a slot depends only on that slot's row and mask: the cache may
 # gather, correct and attend the selection a block of slots at a time.
 SLOT_WISE_CORRECTION = True
@@ -414,8 +430,11 @@ def insert(cfg: MagicPIGConfig, index: MagicPIGIndex, keys_new: jax.Array, count
     count = jnp.maximum(jnp.asarray(count, jnp.int32), 0)
     taken = jnp.minimum(count, jnp.minimum(u, cap - index.n))
     codes = _masked_codes(cfg, index.projection, index.mu, keys_new, taken)
-    sorted_ids, starts = jax.vmap(_merge_table, in_axes=(0, 0, 1, None))(
-        index.sorted_ids, index.bucket_starts, codes, index.n)
+    if cfg.uses_native():
+        sorted_ids, starts = native.magicpig_merge(index.sorted_ids, index.bucket_starts, codes, index.n)
+    else:
+        sorted_ids, starts = jax.vmap(_merge_table, in_axes=(0, 0, 1, None))(
+            index.sorted_ids, index.bucket_starts, codes, index.n)
     return dataclasses.replace(
         index, sorted_ids=sorted_ids, bucket_starts=starts,
         n=index.n + taken, n_dropped=index.n_dropped + count - taken)
@@ -514,6 +533,25 @@ def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, t
     codes = hash_codes(cfg, index.projection, q)
     lo, sizes, running, tables_used = _code_buckets(cfg, index, codes)
     read = _entries_read(running, tables_used)
+    if cfg.uses_native():
+        if take is not None:
+            raise ValueError("MagicPIGConfig(kernels='native') reads the id lists in place: they cannot be "
+                             "in host memory (the cache keeps them on the device for it: host_index_fields)")
+        idx, member, n_sampled, n_union = native.magicpig_collide(
+            index.sorted_ids, index.bucket_starts, codes, tables_used, capacity, cfg.min_hits)
+        selection = common.Selection(idx=idx, mask=member)
+    else:
+        selection, n_sampled, n_union = _sample_xla(cfg, index, codes, lo, sizes, running, tables_used, read,
+                                                    capacity, take)
+    stats = SelectStats(tables_used=tables_used, entries_read=read, n_sampled=n_sampled,
+                        truncated=(jnp.max(n_sampled) > capacity) | (n_union > capacity))
+    return selection, stats
+
+
+def _sample_xla(cfg, index, codes, lo, sizes, running, tables_used, read, capacity, take):
+    """:func:`select_with_stats`'s sample by XLA or the Pallas collide kernel: (selection,
+    n_sampled [G], size of the union before the capacity)."""
+    cap = index.sorted_ids.shape[1]
     if cfg.uses_kernels() and take is None:
         hits, n_sampled = jax.vmap(
             lambda c, t: _head_hits_kernel(cfg, index, c, t, capacity))(codes, tables_used)
@@ -527,9 +565,7 @@ def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, t
     union = common.compact_rows(in_union, capacity, fill=cap)
     member = hits[:, jnp.minimum(union, cap - 1)] & (union < cap)[None, :]
     selection = common.Selection(idx=jnp.where(union < cap, union, 0), mask=member)
-    stats = SelectStats(tables_used=tables_used, entries_read=read, n_sampled=n_sampled,
-                        truncated=(jnp.max(n_sampled) > capacity) | (jnp.sum(in_union) > capacity))
-    return selection, stats
+    return selection, n_sampled, jnp.sum(in_union, dtype=jnp.int32)
 
 
 def select(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, take=None) -> common.Selection:

@@ -1,11 +1,13 @@
-"""CPU kernels for ParisKV's selection, as XLA FFI custom calls (``pariskv_cpu.cc``).
+"""CPU kernels for ParisKV's selection (``pariskv_cpu.cc``) and MagicPIG's inverted index
+(``magicpig_cpu.cc``), as XLA FFI custom calls.
 
 The library is compiled on first use with the system C++ compiler against the XLA
 FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 with VBMI),
 cached under ``$JAXKV_NATIVE_CACHE`` (default ``~/.cache/jaxkv/native``) by a
 digest of the source, the compiler command and this CPU, and registered with
 ``jax.ffi`` for the CPU platform. :func:`available` says whether that worked;
-``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank and final top-k in them.
+``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank and final top-k in them;
+``MagicPIGConfig(kernels="native")`` MagicPIG's sampling (which keys collide) and insertion.
 """
 from __future__ import annotations
 
@@ -21,10 +23,13 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-SOURCE = pathlib.Path(__file__).with_name("pariskv_cpu.cc")
+SOURCES = tuple(sorted(pathlib.Path(__file__).parent.glob("*.cc")))
+HEADERS = tuple(sorted(pathlib.Path(__file__).parent.glob("*.h")))
 TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "PariskvRerank",
-           "jaxkv_top_k": "TopK"}
+           "jaxkv_top_k": "TopK", "jaxkv_magicpig_collide": "MagicpigCollide",
+           "jaxkv_magicpig_merge": "MagicpigMerge"}
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2")  # byte permutes for the votes, bit deposits
 
 
@@ -37,7 +42,7 @@ def _compile_command(output: pathlib.Path) -> list[str]:
     if compiler is None:
         raise NativeUnavailable("no C++ compiler found (set CXX)")
     return [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-            f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(output)]
+            f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(output)]
 
 
 def _cpu_flags() -> str:
@@ -51,17 +56,17 @@ def _cpu_flags() -> str:
 def _library_path() -> pathlib.Path:
     cache = pathlib.Path(os.environ.get("JAXKV_NATIVE_CACHE", pathlib.Path.home() / ".cache" / "jaxkv" / "native"))
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_compile_command(pathlib.Path("x"))).encode(),
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(_compile_command(pathlib.Path("x"))).encode(),
                  _cpu_flags().encode(), jax.__version__.encode()):
         digest.update(part)
-    path = cache / f"pariskv_cpu-{digest.hexdigest()[:16]}.so"
+    path = cache / f"jaxkv_cpu-{digest.hexdigest()[:16]}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, moved in whole
             built = pathlib.Path(tmp) / path.name
             result = subprocess.run(_compile_command(built), capture_output=True, text=True)
             if result.returncode != 0:
-                raise NativeUnavailable(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
+                raise NativeUnavailable(f"compiling {', '.join(s.name for s in SOURCES)} failed:\n{result.stderr[-2000:]}")
             os.replace(built, path)
     return path
 
@@ -142,3 +147,40 @@ def top_k(values: jax.Array, k: int) -> jax.Array:
     call = jax.ffi.ffi_call("jaxkv_top_k", jax.ShapeDtypeStruct((*values.shape[:-1], k), jnp.int32),
                             vmap_method="broadcast_all")
     return call(values.astype(jnp.float32))
+
+
+def magicpig_collide(sorted_ids: jax.Array, bucket_starts: jax.Array, codes: jax.Array, tables_used: jax.Array,
+                     capacity: int, min_hits: int):
+    """MagicPIG's sampled keys, read from the buckets only: ``magicpig.select_with_stats``'s hits.
+
+    sorted_ids int32 [..., L, cap] and bucket_starts int32 [..., L, 2^K + 1] (the index),
+    codes [..., G, L] the query heads' codes, tables_used [..., G] the tables each reads.
+    Key i is sampled for head g iff it lies in at least ``min_hits`` of g's buckets.
+    Returns (idx int32 [..., capacity]: the lowest ``capacity`` ids of the union over the
+    heads, ascending, 0 past it; mask bool [..., G, capacity]: head g sampled idx[c];
+    n_sampled int32 [..., G]; n_union int32 [...], the union's size before the capacity).
+    """
+    _load()
+    batch, heads = sorted_ids.shape[:-2], codes.shape[-2]
+    call = jax.ffi.ffi_call(
+        "jaxkv_magicpig_collide",
+        (jax.ShapeDtypeStruct((*batch, capacity), jnp.int32), jax.ShapeDtypeStruct((*batch, heads, capacity), jnp.bool_),
+         jax.ShapeDtypeStruct((*batch, heads), jnp.int32), jax.ShapeDtypeStruct(batch, jnp.int32)),
+        vmap_method="broadcast_all")
+    return call(sorted_ids.astype(jnp.int32), bucket_starts.astype(jnp.int32), codes.astype(jnp.int32),
+                tables_used.astype(jnp.int32), min_hits=np.int64(min_hits))
+
+
+def magicpig_merge(sorted_ids: jax.Array, bucket_starts: jax.Array, new_codes: jax.Array, n):
+    """``magicpig.insert``'s merge, each table's entries moved once, in place: (sorted_ids, bucket_starts).
+
+    new_codes int32 [..., U, L]: the codes of new keys n, n+1, ... (2^K for a row not
+    inserted). The new keys must fit in the id lists (refused otherwise).
+    """
+    _load()
+    call = jax.ffi.ffi_call(
+        "jaxkv_magicpig_merge",
+        (jax.ShapeDtypeStruct(sorted_ids.shape, jnp.int32), jax.ShapeDtypeStruct(bucket_starts.shape, jnp.int32)),
+        vmap_method="broadcast_all", input_output_aliases={0: 0})
+    return call(sorted_ids.astype(jnp.int32), bucket_starts.astype(jnp.int32), new_codes.astype(jnp.int32),
+                jnp.broadcast_to(jnp.asarray(n, jnp.int32), sorted_ids.shape[:-2]))

@@ -17,62 +17,26 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxkv_native::parallel_chunks;
+using jaxkv_native::parallel_for;
+using jaxkv_native::product;
+
 constexpr int kPatterns = 256;    // m = 8: a bucket id is one byte
 constexpr int kMagnitudeBits = 3;  // rsq.MAGNITUDE_BITS
 constexpr int kMaxVote = 255;      // votes + 1 are kept in a byte
-
-int64_t product(ffi::Span<const int64_t> dims, size_t begin, size_t end) {
-  int64_t p = 1;
-  for (size_t i = begin; i < end; ++i) p *= dims[i];
-  return p;
-}
-
-// fn(i) for every i in [0, n), on the calling thread and XLA's intra-op thread pool (the
-// FFI ThreadPool: no threads started per call). Items are claimed one at a time, so the
-// caller only ever waits for items another thread is running: no deadlock when the pool
-// is busy or absent. A helper that starts after the last claim touches nothing but the
-// shared counters.
-template <typename Fn>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
-  struct Progress {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto progress = std::make_shared<Progress>();
-  const auto work = [progress, n, &fn] {
-    for (int64_t i; (i = progress->next.fetch_add(1)) < n;) {
-      fn(i);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work(); });
-  work();
-  while (progress->done.load(std::memory_order_acquire) < n) _mm_pause();
-}
-
-// fn(h, begin, end) for every chunk [begin, end) of at most `chunk` of the `n` rows of
-// each of `batch` heads, the chunks split over the threads as parallel_for's items.
-template <typename Fn>
-void parallel_chunks(ffi::ThreadPool& pool, int64_t batch, int64_t n, int64_t chunk, const Fn& fn) {
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  parallel_for(pool, batch * chunks, [&](int64_t item) {
-    const int64_t begin = item % chunks * chunk;
-    fn(item / chunks, begin, std::min(begin + chunk, n));
-  });
-}
 
 // ---------------------------------------------------------------- coarse stage
 
