@@ -419,6 +419,8 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
 
     With the retrieval region on the device and a method config whose
     ``uses_kernels()`` holds, the attention runs in the gather-attention kernel;
+    a method whose ``reads_rows_in_place(mcfg, keys)`` holds (MagicPIG's CPU
+    kernels) attends the rows where they lie, host memory included; otherwise
     host-offloaded rows are gathered on the host side first and attended by XLA,
     block by block for a method whose correction is slot-wise
     (``SLOT_WISE_CORRECTION``) and whose selection exceeds a block.
@@ -435,6 +437,9 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
 
         o, l, m = jax.vmap(one_row)(q, state.retr_k, state.retr_v, sel.idx, sel.mask, log_weight)
         read = common.Partial(o=o, l=l, m=m)
+    elif getattr(method, "reads_rows_in_place", lambda *_: False)(mcfg, state.retr_k):
+        read = over_batch_heads(lambda ix, qq, kk, vv, s: method.attend_in_place(mcfg, ix, qq, kk, vv, s))(
+            state.index, q, state.retr_k, state.retr_v, sel)
     elif getattr(method, "SLOT_WISE_CORRECTION", False) and sel.idx.shape[-1] > ccfg.slot_block:
         read = _attend_rows_by_blocks(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
     else:

@@ -16,8 +16,8 @@ import pytest
 
 import jaxkv
 from jaxkv import native
-from jaxkv.attention import magicpig, pariskv, rsq
-from jaxkv.cache import CacheConfig
+from jaxkv.attention import common, magicpig, pariskv, rsq
+from jaxkv.cache import HOST, CacheConfig
 from tests.test_generate import _prompts
 from tests.test_kernels_end_to_end import one_layer  # noqa: F401  (fixture)
 
@@ -257,3 +257,89 @@ def test_native_magicpig_is_validated():
     codes = jnp.zeros((4, MAGICPIG.L), jnp.int32)
     with pytest.raises(Exception, match="do not fit"):
         native.magicpig_merge(index.sorted_ids, index.bucket_starts, codes, index.n)[0].block_until_ready()
+
+
+def _gathered_partial(cfg, index, q, keys, values, selection):
+    """The XLA path's partial: the rows gathered, corrected, attended."""
+    k_rows, v_rows = keys[selection.idx], values[selection.idx]
+    log_weight = magicpig.correction(cfg, index, q, k_rows, selection)
+    return common.partial_attention(q, k_rows, v_rows, selection.mask, log_weight)
+
+
+# Float32 rounding apart: the same products summed in another order (scores over d ≤ 128,
+# value sums over a few thousand rows), libm's transcendentals against XLA's in the
+# correction (a few ulp each): relative to the largest entry, well under 1e-5.
+PARTIAL_RTOL = 1e-5
+
+
+def _assert_partials_close(got, want):
+    np.testing.assert_allclose(got.m, want.m, rtol=1e-5, atol=1e-5)
+    for field in ("o", "l"):
+        want_x = np.asarray(getattr(want, field))
+        np.testing.assert_allclose(getattr(got, field), want_x, rtol=0, atol=PARTIAL_RTOL * np.abs(want_x).max())
+
+
+
+# d = 64 and 128; the sample truncated by its capacity; heads stopped by the candidate
+# capacity (each head's u then counts its own tables); three hits needed; one hit, a sample
+# over several of the kernel's 1024-slot blocks (their partials merged).
+@pytest.mark.parametrize("changes, d", [
+    ({}, 64), ({}, 128), ({"capacity": 40}, 64), ({"K": 8, "candidate_capacity": 0.05}, 64),
+    ({"min_hits": 3, "K": 6, "L": 40, "capacity": 1.0}, 64),
+    ({"min_hits": 1, "K": 6, "L": 20, "capacity": 1.0}, 64)])
+def test_native_magicpig_attend_equals_gather_and_correct(changes, d):
+    heads, cap, n = 2, 3000, 2900
+    cfg = dataclasses.replace(MAGICPIG, **changes)
+    keys = _keys(12, (heads, cap, d)) + 0.5
+    values = _keys(13, (heads, cap, d))
+    index = _magicpig_index(cfg, keys, n)
+    q = _query_group(keys, n, 14)
+    sel = jax.vmap(lambda ix, qq: magicpig.select(cfg, ix, qq))(index, q)
+    assert int(sel.mask.sum()) >= 80  # not vacuous: dozens of sampled rows per head
+    want = jax.jit(jax.vmap(functools.partial(_gathered_partial, cfg)))(index, q, keys, values, sel)
+    in_place = jax.jit(jax.vmap(functools.partial(magicpig.attend_in_place, cfg)))
+    got = in_place(index, q, keys, values, sel)
+    _assert_partials_close(got, want)
+    # The rows read in place from host memory: the same partial, bit for bit.
+    from_host = in_place(index, q, jax.device_put(keys, HOST), jax.device_put(values, HOST), sel)
+    for field in ("o", "l", "m"):
+        np.testing.assert_array_equal(getattr(from_host, field), getattr(got, field))
+
+
+@pytest.mark.parametrize("tables", [150, 7])
+def test_native_magicpig_correction_over_every_angle(tables):
+    """Rows at 64 angles to the query, from cos θ = 1 to −1 (u from 1 to 0, both branches of
+    the formula and the floor), one-hot values: o / l is each row's corrected softmax weight.
+    Row 0 is μ itself (a zero centred key: cos θ taken as 0)."""
+    cfg, d = MAGICPIG, 64
+    theta = np.linspace(0.0, np.pi, d - 1)
+    mu = _keys(15, (d,))
+    rows = np.zeros((d, d), np.float32)
+    rows[1:, 0], rows[1:, 1] = 3 * np.cos(theta), 3 * np.sin(theta)
+    keys = jnp.asarray(rows) + mu
+    values = jnp.eye(d, dtype=jnp.float32)
+    q = jnp.zeros((1, d), jnp.float32).at[0, 0].set(2.0)
+    idx, mask = jnp.arange(d, dtype=jnp.int32), jnp.ones((1, d), bool)
+    used = jnp.asarray([tables], jnp.int32)
+    o, l, m = native.magicpig_attend(q, keys, values, mu, idx, mask, used, K=cfg.K, min_hits=cfg.min_hits,
+                                     tail_terms=magicpig.TAIL_TERMS, log_u_floor=magicpig.LOG_U_FLOOR,
+                                     masked_score=common.MASKED_SCORE)
+    cos = np.concatenate([[0.0], np.cos(theta)])
+    log_u = np.maximum(magicpig.collision_log_prob(jnp.asarray(cos, jnp.float32), cfg.K, tables), magicpig.LOG_U_FLOOR)
+    want = jax.nn.softmax(common.scores(q, keys)[0] - log_u)
+    # Each path's float32 cosine is a few ulp (~1e-7) off, and near cos θ = −1 log u is
+    # ill-conditioned: p ≈ √(2(1 + cos θ))/π, so d log u / d cos θ ≈ K / (1 + cos θ).
+    conditioning = cfg.K / np.maximum(1.0 + cos, 1e-3)
+    np.testing.assert_array_less(np.abs(o[0] / l[0] - want), (1e-5 + 1e-6 * conditioning) * want + 1e-12)
+    assert float(want[-1]) > 0.99  # cos θ = −1: u at its floor, the weight all on it
+
+
+def test_native_magicpig_attend_of_an_empty_sample():
+    keys = _keys(16, (100, 64))
+    o, l, m = native.magicpig_attend(_keys(17, (3, 64)), keys, keys, keys[0], jnp.zeros((50,), jnp.int32),
+                                     jnp.zeros((3, 50), bool), jnp.full((3,), 150, jnp.int32), K=10, min_hits=2,
+                                     tail_terms=magicpig.TAIL_TERMS, log_u_floor=magicpig.LOG_U_FLOOR,
+                                     masked_score=common.MASKED_SCORE)
+    empty = common.empty_partial(3, 64)
+    for got, want in ((o, empty.o), (l, empty.l), (m, empty.m)):
+        np.testing.assert_array_equal(got, want)

@@ -590,6 +590,25 @@ def correction(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, k_rows: 
     return jnp.where(selection.mask, -jnp.maximum(log_u, LOG_U_FLOOR), 0.0)
 
 
+def reads_rows_in_place(cfg: MagicPIGConfig, keys: jax.Array) -> bool:
+    """Whether :func:`attend_in_place` serves this config and region: the CPU kernels, float32 rows."""
+    return cfg.uses_native() and keys.dtype == jnp.float32
+
+
+@_jit_with_static_cfg
+def attend_in_place(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, keys: jax.Array, values: jax.Array,
+                    selection: common.Selection) -> common.Partial:
+    """The partial of q[G, d] over the selection's rows of keys, values [cap, d], each score
+    corrected by :func:`correction`: what gathering the rows and ``common.partial_attention``
+    give, in one ``jaxkv.native`` kernel that reads the rows where they lie (host memory
+    included) and evaluates the correction only for the (head, row) pairs sampled."""
+    _, _, _, tables_used = _query_buckets(cfg, index, q)
+    o, l, m = native.magicpig_attend(q, keys, values, index.mu, selection.idx, selection.mask, tables_used,
+                                     K=cfg.K, min_hits=cfg.min_hits, tail_terms=TAIL_TERMS,
+                                     log_u_floor=LOG_U_FLOOR, masked_score=common.MASKED_SCORE)
+    return common.Partial(o=o, l=l, m=m)
+
+
 @_jit_with_static_cfg
 def attend(cfg: MagicPIGConfig, q, keys, values, key=None):
     """MagicPIG's estimate for q[G, d] over a whole context keys, values [N, d].

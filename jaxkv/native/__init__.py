@@ -1,13 +1,15 @@
-"""CPU kernels for ParisKV's selection (``pariskv_cpu.cc``) and MagicPIG's inverted index
+"""CPU kernels for ParisKV's selection (``pariskv_cpu.cc``) and MagicPIG's sampling
 (``magicpig_cpu.cc``), as XLA FFI custom calls.
 
 The library is compiled on first use with the system C++ compiler against the XLA
-FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 with VBMI),
-cached under ``$JAXKV_NATIVE_CACHE`` (default ``~/.cache/jaxkv/native``) by a
-digest of the source, the compiler command and this CPU, and registered with
-``jax.ffi`` for the CPU platform. :func:`available` says whether that worked;
-``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank and final top-k in them;
-``MagicPIGConfig(kernels="native")`` MagicPIG's sampling (which keys collide) and insertion.
+FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 with VBMI
+and BMI2) and linked with glibc's vector math (libmvec, glibc 2.35 or later), cached
+under ``$JAXKV_NATIVE_CACHE`` (default ``~/.cache/jaxkv/native``) by a digest of the
+sources, the compiler command and this CPU, and registered with ``jax.ffi`` for the CPU
+platform. :func:`available` says whether that worked;
+``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank and final top-k in
+them; ``MagicPIGConfig(kernels="native")`` MagicPIG's sampling (which keys collide), the
+attention over the sample with its correction, and the insertion's merge.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ SOURCES = tuple(sorted(pathlib.Path(__file__).parent.glob("*.cc")))
 HEADERS = tuple(sorted(pathlib.Path(__file__).parent.glob("*.h")))
 TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "PariskvRerank",
            "jaxkv_top_k": "TopK", "jaxkv_magicpig_collide": "MagicpigCollide",
-           "jaxkv_magicpig_merge": "MagicpigMerge"}
+           "jaxkv_magicpig_merge": "MagicpigMerge", "jaxkv_magicpig_attend": "MagicpigAttend"}
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2")  # byte permutes for the votes, bit deposits
 
 
@@ -42,7 +44,7 @@ def _compile_command(output: pathlib.Path) -> list[str]:
     if compiler is None:
         raise NativeUnavailable("no C++ compiler found (set CXX)")
     return [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-            f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(output)]
+            f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-lmvec", "-o", str(output)]
 
 
 def _cpu_flags() -> str:
@@ -184,3 +186,25 @@ def magicpig_merge(sorted_ids: jax.Array, bucket_starts: jax.Array, new_codes: j
         vmap_method="broadcast_all", input_output_aliases={0: 0})
     return call(sorted_ids.astype(jnp.int32), bucket_starts.astype(jnp.int32), new_codes.astype(jnp.int32),
                 jnp.broadcast_to(jnp.asarray(n, jnp.int32), sorted_ids.shape[:-2]))
+
+
+def magicpig_attend(q: jax.Array, keys: jax.Array, values: jax.Array, mu: jax.Array, idx: jax.Array,
+                    mask: jax.Array, tables_used: jax.Array, *, K: int, min_hits: int, tail_terms: int,
+                    log_u_floor: float, masked_score: float):
+    """The partial (o [..., G, d], l [..., G], m [..., G]) of q [..., G, d] over MagicPIG's sample:
+    the rows idx [..., C] of keys, values [..., cap, d] (float32, read in place) that head g
+    sampled (mask [..., G, C]), each score corrected by −max(log u, log_u_floor), log u =
+    ``magicpig.collision_log_prob`` of the cosine between q_g and the row − mu [..., d] over
+    tables_used [..., G] tables. ``common.partial_attention``'s result up to float32 rounding.
+    """
+    _load()
+    batch, (heads, d) = q.shape[:-2], q.shape[-2:]
+    call = jax.ffi.ffi_call(
+        "jaxkv_magicpig_attend",
+        (jax.ShapeDtypeStruct((*batch, heads, d), jnp.float32), jax.ShapeDtypeStruct((*batch, heads), jnp.float32),
+         jax.ShapeDtypeStruct((*batch, heads), jnp.float32)),
+        vmap_method="broadcast_all")
+    return call(q.astype(jnp.float32), keys, values, mu.astype(jnp.float32), idx.astype(jnp.int32), mask,
+                tables_used.astype(jnp.int32), k_bits=np.int64(K), min_hits=np.int64(min_hits),
+                tail_terms=np.int64(tail_terms), log_u_floor=np.float32(log_u_floor),
+                masked_score=np.float32(masked_score))

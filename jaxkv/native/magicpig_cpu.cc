@@ -2,16 +2,25 @@
 // and registers them). They compute what jaxkv.attention.magicpig computes in XLA, exactly:
 //   - magicpig_collide: the sampled keys of a query group (select_with_stats's hits, their
 //     union's lowest C ids and each head's membership) from the buckets it reads;
-//   - magicpig_merge: insert's merge of new keys into every table's sorted id list.
+//   - magicpig_merge: insert's merge of new keys into every table's sorted id list;
+//   - magicpig_attend: the partial over the sampled rows, the importance correction
+//     (collision_log_prob) included: cache._attend_rows's (o, l, m) up to float32 rounding.
 // XLA CPU works over static capacities: a query head's hits come from candidate_entries
 // (N/2) slots and a histogram over all N keys, whatever its buckets hold, and a merge
 // gathers every slot of every table. Here a head reads only the entries of its buckets
-// and a merge moves each table's entries once, in place. Every leading axis of the
+// and a merge moves each table's entries once, in place. XLA gathers the sampled K and V
+// rows into copies and evaluates the correction for every (query head, slot); here each
+// row is read in place (from host memory too: on the CPU it is the same memory) and the
+// correction is evaluated for the pairs a head sampled only. Every leading axis of the
 // arguments is a batch axis (vmap, broadcast_all).
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "parallel.h"
@@ -21,6 +30,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxkv_native::parallel_chunks;
 using jaxkv_native::parallel_for;
 using jaxkv_native::product;
 
@@ -179,6 +189,213 @@ ffi::Error merge(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_ids, ffi::Bu
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------- attend
+
+// glibc's vector math (libmvec): 16 float32 lanes per call, within 4 ulp like its scalar
+// functions and XLA's.
+extern "C" {
+__m512 _ZGVeN16v_acosf(__m512);
+__m512 _ZGVeN16v_expf(__m512);
+__m512 _ZGVeN16v_expm1f(__m512);
+__m512 _ZGVeN16v_logf(__m512);
+__m512 _ZGVeN16v_log1pf(__m512);
+}
+
+// magicpig.collision_log_prob for 16 cosines, the same float32 steps, both branches
+// evaluated and one kept per lane as there (see its docstring for why each is accurate where
+// it is used): log u, u = P(Binomial(L, p^K) >= min_hits), p = 1 - arccos(c)/pi.
+struct CollisionLogProb {
+  float k_bits, n_tables;
+  int min_hits, tail_terms;
+  std::vector<float> log_choose;  // log C(L, j) for j <= min_hits, a running sum as the XLA path's
+
+  CollisionLogProb(int64_t k, float tables, int64_t hits, int64_t tail)
+      : k_bits(static_cast<float>(k)), n_tables(tables), min_hits(static_cast<int>(hits)),
+        tail_terms(static_cast<int>(tail)), log_choose(hits + 1, 0.0f) {
+    for (int i = 0; i < min_hits; ++i) {
+      const float step = i < n_tables ? std::log(std::max(n_tables - i, 1.0f)) - std::log1p(static_cast<float>(i))
+                                      : -std::numeric_limits<float>::infinity();
+      log_choose[i + 1] = log_choose[i] + step;
+    }
+  }
+
+  static __m512 log1mexp(__m512 x) {  // log(1 - e^x), x <= 0
+    const __mmask16 near_zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-0.6931472f), _CMP_GT_OQ);
+    const __m512 far = _ZGVeN16v_log1pf(-_ZGVeN16v_expf(x));
+    return _mm512_mask_blend_ps(near_zero, far, _ZGVeN16v_logf(-_ZGVeN16v_expm1f(x)));
+  }
+
+  __m512 term(int j, __m512 log_hit, __m512 log_miss) const {  // log C(L, j) P^j (1 - P)^(L - j)
+    __m512 t = _mm512_set1_ps(log_choose[j]);
+    if (j) t = t + static_cast<float>(j) * log_hit;  // 0 · log 0 = 0
+    if (n_tables > j) t = t + (n_tables - j) * log_miss;
+    return t;
+  }
+
+  __m512 operator()(__m512 cosine) const {
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(cosine, _mm512_set1_ps(-1.0f)), _mm512_set1_ps(1.0f));
+    const __m512 log_hit = k_bits * _ZGVeN16v_log1pf(-_ZGVeN16v_acosf(c) / 3.14159265358979f);
+    const __m512 log_miss = log1mexp(log_hit);
+    const __m512 odds =
+        _ZGVeN16v_expf(_mm512_min_ps(log_hit - log_miss, _mm512_set1_ps(std::log(static_cast<float>(min_hits + 1)))));
+    const __m512 first_ratio = std::max(n_tables - min_hits, 0.0f) / (min_hits + 1) * odds;
+    // The upper tail by its running ratios. They fall (each factor is at most the first
+    // ratio's, <= 1/2 where this branch is kept): once every kept lane's ratio is below
+    // 2^-25, later ones are under half an ulp of total (>= 1) and would leave it as it is.
+    const __mmask16 tail_lanes = _mm512_cmp_ps_mask(first_ratio, _mm512_set1_ps(0.5f), _CMP_LE_OQ);
+    __m512 ratio = first_ratio, total = 1.0f + first_ratio;
+    for (int j = min_hits + 1; j < min_hits + tail_terms - 1; ++j) {
+      if (!_mm512_mask_cmp_ps_mask(tail_lanes, ratio, _mm512_set1_ps(0x1p-25f), _CMP_GE_OQ)) break;
+      ratio = ratio * (std::max(n_tables - j, 0.0f) / (j + 1)) * odds;
+      total = total + ratio;
+    }
+    const __m512 tail = term(min_hits, log_hit, log_miss) + _ZGVeN16v_logf(total);
+    // One minus the lower tail.
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int j = 0; j < min_hits; ++j) top = _mm512_max_ps(top, term(j, log_hit, log_miss));
+    const __mmask16 finite = _mm512_cmp_ps_mask(top, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
+    top = _mm512_maskz_mov_ps(finite, top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < min_hits; ++j) sum = sum + _ZGVeN16v_expf(term(j, log_hit, log_miss) - top);
+    const __m512 complement = log1mexp(_mm512_min_ps(top + _ZGVeN16v_logf(sum), _mm512_setzero_ps()));
+    return _mm512_min_ps(_mm512_mask_blend_ps(tail_lanes, complement, tail), _mm512_setzero_ps());
+  }
+};
+
+// 16 lanes at a time (a float sum is not vectorised by the compiler: its order would change).
+float dot(const float* a, const float* b, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  float s = _mm512_reduce_add_ps(acc);
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// The unnormalised partial (o [G, d], l [G], m [G]) of one block of slots: two passes, the
+// scores (with the correction) first, then exp(s - m) times the value rows.
+struct Partial {
+  std::vector<float> o, l, m;
+  Partial(int64_t heads, int64_t d, float masked) : o(heads * d, 0.0f), l(heads, 0.0f), m(heads, masked) {}
+};
+
+// The rows are scattered over the region (7 % of them at 256k, a few kB apart): fetch every
+// cache line of the row kRowsAhead slots on while this one is worked on.
+constexpr int64_t kRowsAhead = 16;
+
+void prefetch_row(const float* row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+}
+
+struct AttendHead {
+  const float *q, *keys, *values, *mu;
+  const int32_t* idx;
+  const bool* mask;
+  const std::vector<CollisionLogProb>* log_prob;  // one per query head (its tables read)
+  int64_t heads, d, cap, slots;
+  float scale, log_u_floor;
+};
+
+void attend_block(const AttendHead& a, int64_t begin, int64_t end, Partial& out) {
+  const int64_t count = end - begin, lanes = (count + 15) / 16 * 16;
+  constexpr float kUnsampled = -std::numeric_limits<float>::infinity();
+  // Per head and slot: the scaled score and the cosine (0 where not sampled), then the
+  // corrected score, kUnsampled where the head did not sample the row.
+  std::vector<float> score(a.heads * lanes, kUnsampled), cosine(a.heads * lanes, 0.0f), centred(a.d), q_norm(a.heads);
+  for (int64_t g = 0; g < a.heads; ++g) q_norm[g] = std::sqrt(dot(a.q + g * a.d, a.q + g * a.d, a.d));
+  const auto row_of = [&](int64_t c) { return std::clamp<int64_t>(a.idx[c], 0, a.cap - 1) * a.d; };
+  for (int64_t c = begin; c < end; ++c) {
+    if (c + kRowsAhead < end) prefetch_row(a.keys + row_of(c + kRowsAhead), a.d);
+    bool sampled = false;
+    for (int64_t g = 0; g < a.heads; ++g) sampled |= a.mask[g * a.slots + c];
+    if (!sampled) continue;  // the slots past the sample: nothing to read
+    const float* k = a.keys + row_of(c);
+    for (int64_t i = 0; i < a.d; ++i) centred[i] = k[i] - a.mu[i];
+    const float k_norm = std::sqrt(dot(centred.data(), centred.data(), a.d));
+    for (int64_t g = 0; g < a.heads; ++g) {
+      if (!a.mask[g * a.slots + c]) continue;
+      const float* q = a.q + g * a.d;
+      const float norms = q_norm[g] * k_norm;
+      cosine[g * lanes + c - begin] = norms > 0 ? dot(q, centred.data(), a.d) / norms : 0.0f;
+      score[g * lanes + c - begin] = dot(q, k, a.d) * a.scale;
+    }
+  }
+  for (int64_t g = 0; g < a.heads; ++g)
+    for (int64_t c = 0; c < lanes; c += 16) {
+      float* s = score.data() + g * lanes + c;
+      const __m512 log_u = _mm512_max_ps((*a.log_prob)[g](_mm512_loadu_ps(cosine.data() + g * lanes + c)),
+                                         _mm512_set1_ps(a.log_u_floor));
+      const __mmask16 sampled = _mm512_cmp_ps_mask(_mm512_loadu_ps(s), _mm512_set1_ps(kUnsampled), _CMP_NEQ_OQ);
+      _mm512_mask_storeu_ps(s, sampled, _mm512_loadu_ps(s) - log_u);
+    }
+  for (int64_t g = 0; g < a.heads; ++g)
+    for (int64_t c = 0; c < count; ++c) out.m[g] = std::max(out.m[g], score[g * lanes + c]);
+  for (int64_t c = 0; c < count; ++c) {  // each value row read once, for every head that sampled it
+    if (c + kRowsAhead < count) prefetch_row(a.values + row_of(begin + c + kRowsAhead), a.d);
+    const float* v = a.values + row_of(begin + c);
+    for (int64_t g = 0; g < a.heads; ++g) {
+      const float s = score[g * lanes + c];
+      if (s == kUnsampled) continue;
+      const float p = std::exp(s - out.m[g]);
+      float* o = out.o.data() + g * a.d;
+      for (int64_t i = 0; i < a.d; ++i) o[i] += p * v[i];
+      out.l[g] += p;
+    }
+  }
+}
+
+ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                  ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::S32> idx,
+                  ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> tables_used, int64_t k_bits, int64_t min_hits,
+                  int64_t tail_terms, float log_u_floor, float masked_score, ffi::ResultBuffer<ffi::F32> o,
+                  ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> m) {
+  const auto qd = q.dimensions(), kd = keys.dimensions();
+  if (qd.size() < 2 || kd.size() != qd.size())
+    return ffi::Error::InvalidArgument("magicpig_attend: q [..., G, d], keys [..., cap, d]");
+  const int64_t heads = qd[qd.size() - 2], d = qd.back(), cap = kd[kd.size() - 2];
+  const int64_t batch = product(qd, 0, qd.size() - 2), slots = idx.dimensions().back();
+  if (kd.back() != d || values.element_count() != batch * cap * d || mu.element_count() != batch * d ||
+      idx.element_count() != batch * slots || mask.element_count() != batch * heads * slots ||
+      tables_used.element_count() != batch * heads || o->element_count() != batch * heads * d ||
+      l->element_count() != batch * heads || m->element_count() != batch * heads)
+    return ffi::Error::InvalidArgument("magicpig_attend: values [..., cap, d], mu [..., d], idx [..., C], "
+                                       "mask [..., G, C], tables_used [..., G]; o [..., G, d], l and m [..., G]");
+  std::vector<std::vector<CollisionLogProb>> log_prob(batch);
+  std::vector<AttendHead> work(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t g = 0; g < heads; ++g)
+      log_prob[b].emplace_back(k_bits, static_cast<float>(tables_used.typed_data()[b * heads + g]), min_hits,
+                               tail_terms);
+    work[b] = {q.typed_data() + b * heads * d, keys.typed_data() + b * cap * d, values.typed_data() + b * cap * d,
+               mu.typed_data() + b * d, idx.typed_data() + b * slots, mask.typed_data() + b * heads * slots,
+               &log_prob[b], heads, d, cap, slots, 1.0f / std::sqrt(static_cast<float>(d)), log_u_floor};
+  }
+  // Blocks of slots in parallel, each with a partial of its own, merged per head in order.
+  constexpr int64_t kBlock = 1024;
+  const int64_t blocks = (slots + kBlock - 1) / kBlock;
+  std::vector<Partial> parts(batch * blocks, Partial(heads, d, masked_score));
+  parallel_chunks(pool, batch, slots, kBlock, [&](int64_t b, int64_t begin, int64_t end) {
+    attend_block(work[b], begin, end, parts[b * blocks + begin / kBlock]);
+  });
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t g = 0; g < heads; ++g) {
+      float top = masked_score;
+      for (int64_t j = 0; j < blocks; ++j) top = std::max(top, parts[b * blocks + j].m[g]);
+      float* out_o = o->typed_data() + (b * heads + g) * d;
+      float& out_l = l->typed_data()[b * heads + g];
+      std::fill(out_o, out_o + d, 0.0f);
+      out_l = 0.0f;
+      for (int64_t j = 0; j < blocks; ++j) {
+        const Partial& part = parts[b * blocks + j];
+        const float factor = part.l[g] > 0 ? std::exp(part.m[g] - top) : 0.0f;
+        for (int64_t i = 0; i < d; ++i) out_o[i] += factor * part.o[g * d + i];
+        out_l += factor * part.l[g];
+      }
+      m->typed_data()[b * heads + g] = top;
+    }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigCollide, collide,
@@ -203,3 +420,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigMerge, merge,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigAttend, attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("k_bits")
+                                  .Attr<int64_t>("min_hits")
+                                  .Attr<int64_t>("tail_terms")
+                                  .Attr<float>("log_u_floor")
+                                  .Attr<float>("masked_score")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
