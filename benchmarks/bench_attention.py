@@ -34,8 +34,10 @@ nor drop it.
   ratios use step + flush / U.
 - stages of the same step, each a separate jitted call over the same state:
   select (ParisKV: coarse votes, coarse top-C, rerank + top-k), host gather of
-  K and V, the correction (MagicPIG), attention over the gathered rows. They
-  show where the time goes, not parts that sum to the looped step.
+  K and V, the correction (MagicPIG), attention over the gathered rows; for
+  ``magicpig-native``, whose kernel reads the rows in place, select and that
+  one call (under "attend"). They show where the time goes, not parts that
+  sum to the looped step.
 
 Keys: synthetic, fitted to SmolLM2's real keys (benchmarks/synthetic_keys.py).
 Bytes per step are what each stage must read (its floor), and the bandwidth
@@ -291,6 +293,11 @@ def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]
     select_one = kvcache.method_select(method, mcfg, ccfg)
     select = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select_one(mcfg, ix, qq)))
     sel = jax.block_until_ready(select(state.index, qg))
+    if kvcache.attends_in_place(method, mcfg, state.retr_k):  # one call gathers, corrects and attends
+        attend = jax.jit(kvcache.over_batch_heads(
+            lambda ix, qq, kk, vv, s: method.attend_in_place(mcfg, ix, qq, kk, vv, s)))
+        return {"select": time_calls(lambda: select(state.index, qg), repeats),
+                "attend": time_calls(lambda: attend(state.index, qg, state.retr_k, state.retr_v, sel), repeats)}, sel
     gather = jax.jit(lambda rk, rv, idx: (kvcache.gather_rows(rk, idx, ccfg), kvcache.gather_rows(rv, idx, ccfg)))
     k_rows, v_rows = jax.block_until_ready(gather(state.retr_k, state.retr_v, sel.idx))
     correct = jax.jit(kvcache.over_batch_heads(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s)))
@@ -450,7 +457,8 @@ def markdown(rows: list[dict], skipped: list[str], bandwidth: dict, meta: dict) 
             f"{flush} | {ms(r['step_with_flush_s'])} | {r['ratio_to_dense']:.3f} | {r['bytes_total'] / 1e6:.1f} | {r['achieved_Bps'] / 1e9:.2f} | "
             f"{r['x_floor']:.1f} | {r['index_B_per_token_head']:.0f} | {r['kv_bf16_B_per_token_head']} |")
     lines += ["", "Stages (each jitted alone over the same state, separate calls: a call pays what the "
-              "loop pays once, so they are not parts of the step above; ms, median).", "",
+              "loop pays once, so they are not parts of the step above; ms, median). A method that "
+              "attends in place (MagicPIG native) has no gather or correction: its attend is all three.", "",
               "| shape | N | method | select | (coarse: votes / top-C) | (rerank) | gather | correction | attend | "
               "rows gathered/head | MagicPIG entries read/head |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -461,7 +469,7 @@ def markdown(rows: list[dict], skipped: list[str], bandwidth: dict, meta: dict) 
         coarse = f"{ms(st['coarse'])} ({ms(st['coarse.votes'])} / {ms(st['coarse.top_C'])})" if "coarse" in st else ""
         lines.append(
             f"| {r['shape']} | {r['N']:,} | {r['method']} | {ms(st['select'])} | {coarse} | "
-            f"{ms(st['rerank']) if 'rerank' in st else ''} | {ms(st['gather'])} | "
+            f"{ms(st['rerank']) if 'rerank' in st else ''} | {ms(st['gather']) if 'gather' in st else ''} | "
             f"{ms(st['correction']) if 'correction' in st else ''} | {ms(st['attend'])} | "
             f"{r['rows_gathered_per_head']:.0f} | {r['index_entries_read_per_head']:.0f} |")
     if skipped:

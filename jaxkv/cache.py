@@ -414,6 +414,12 @@ def _attend_rows_by_blocks(q, state: RegionKV, sel, *, method, mcfg, ccfg) -> co
     return jax.lax.fori_loop(0, (_used_slots(sel) + block - 1) // block, one_block, empty)
 
 
+def attends_in_place(method, mcfg, retr_k) -> bool:
+    """Whether the method attends its selection where the rows lie (``method.attend_in_place``:
+    gather, correction and attention in one call), for this config and retrieval region."""
+    return hasattr(method, "reads_rows_in_place") and method.reads_rows_in_place(mcfg, retr_k)
+
+
 def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     """The method's estimate over the retrieval region: select, gather, correct, attend.
 
@@ -437,7 +443,7 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
 
         o, l, m = jax.vmap(one_row)(q, state.retr_k, state.retr_v, sel.idx, sel.mask, log_weight)
         read = common.Partial(o=o, l=l, m=m)
-    elif getattr(method, "reads_rows_in_place", lambda *_: False)(mcfg, state.retr_k):
+    elif attends_in_place(method, mcfg, state.retr_k):
         read = over_batch_heads(lambda ix, qq, kk, vv, s: method.attend_in_place(mcfg, ix, qq, kk, vv, s))(
             state.index, q, state.retr_k, state.retr_v, sel)
     elif getattr(method, "SLOT_WISE_CORRECTION", False) and sel.idx.shape[-1] > ccfg.slot_block:
