@@ -294,10 +294,9 @@ def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]
     select = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select_one(mcfg, ix, qq)))
     sel = jax.block_until_ready(select(state.index, qg))
     if kvcache.attends_in_place(method, mcfg, state.retr_k):  # one call gathers, corrects and attends
-        attend = jax.jit(kvcache.over_batch_heads(
-            lambda ix, qq, kk, vv, s: method.attend_in_place(mcfg, ix, qq, kk, vv, s)))
+        attend = jax.jit(lambda qq, st, s: kvcache.attend_rows_in_place(qq, st, s, method=method, mcfg=mcfg))
         return {"select": time_calls(lambda: select(state.index, qg), repeats),
-                "attend": time_calls(lambda: attend(state.index, qg, state.retr_k, state.retr_v, sel), repeats)}, sel
+                "attend": time_calls(lambda: attend(qg, state, sel), repeats)}, sel
     gather = jax.jit(lambda rk, rv, idx: (kvcache.gather_rows(rk, idx, ccfg), kvcache.gather_rows(rv, idx, ccfg)))
     k_rows, v_rows = jax.block_until_ready(gather(state.retr_k, state.retr_v, sel.idx))
     correct = jax.jit(kvcache.over_batch_heads(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s)))

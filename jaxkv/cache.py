@@ -420,6 +420,12 @@ def attends_in_place(method, mcfg, retr_k) -> bool:
     return hasattr(method, "reads_rows_in_place") and method.reads_rows_in_place(mcfg, retr_k)
 
 
+def attend_rows_in_place(q, state: RegionKV, sel, *, method, mcfg) -> common.Partial:
+    """Partial over the selection's rows by ``method.attend_in_place`` (see :func:`attends_in_place`)."""
+    return over_batch_heads(lambda ix, qq, kk, vv, s: method.attend_in_place(mcfg, ix, qq, kk, vv, s))(
+        state.index, q, state.retr_k, state.retr_v, sel)
+
+
 def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     """The method's estimate over the retrieval region: select, gather, correct, attend.
 
@@ -444,8 +450,7 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
         o, l, m = jax.vmap(one_row)(q, state.retr_k, state.retr_v, sel.idx, sel.mask, log_weight)
         read = common.Partial(o=o, l=l, m=m)
     elif attends_in_place(method, mcfg, state.retr_k):
-        read = over_batch_heads(lambda ix, qq, kk, vv, s: method.attend_in_place(mcfg, ix, qq, kk, vv, s))(
-            state.index, q, state.retr_k, state.retr_v, sel)
+        read = attend_rows_in_place(q, state, sel, method=method, mcfg=mcfg)
     elif getattr(method, "SLOT_WISE_CORRECTION", False) and sel.idx.shape[-1] > ccfg.slot_block:
         read = _attend_rows_by_blocks(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
     else:

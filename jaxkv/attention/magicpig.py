@@ -92,7 +92,8 @@ TAIL_TERMS = 32
 LOG_U_FLOOR = math.log(jnp.finfo(jnp.float32).tiny)
 # cfg.kernels → pallas_kernels.dispatch's use_kernel: None = the kernel iff the
 # backend is a GPU; "interpret" runs the kernel in Pallas interpret mode (CPU tests);
-# "native" runs the sampling and the merge in jaxkv.native's CPU kernels (XLA for the rest).
+# "native" runs the sampling, the attention over the sample and the merge in jaxkv.native's
+# CPU kernels (XLA for the rest).
 KERNEL_MODES = {"auto": None, "xla": False, "pallas": True, "interpret": True, "native": False}
 
 
@@ -119,10 +120,11 @@ class MagicPIGConfig:
     seed: folded into the per-layer PRNG key that draws the projection.
     kernels: "auto" (Pallas kernels iff the backend is a GPU), "xla" (never),
         "pallas" (always, compiled), "interpret" (always, Pallas interpret
-        mode) or "native" (which keys collide, and the insertion's merge, in
-        ``jaxkv.native``'s CPU kernels; the id lists then stay in device memory,
-        where the kernels read them in place). Hashing and candidate selection
-        give the same result either way.
+        mode) or "native" (which keys collide, the attention over them with
+        the correction, and the insertion's merge, in ``jaxkv.native``'s CPU
+        kernels; the id lists then stay in device memory, where the kernels
+        read them in place). Hashing and candidate selection give the same
+        result either way.
     """
 
     K: int = 10
@@ -182,7 +184,8 @@ class MagicPIGConfig:
         return dispatch.kernel_path(**self.kernel_options())
 
     def uses_native(self) -> bool:
-        """Whether the sampling and the merge run in ``jaxkv.native``'s CPU kernels."""
+        """Whether the sampling, the attention over the sample and the merge run in
+        ``jaxkv.native``'s CPU kernels."""
         return self.kernels == "native"
 
     def sample_capacity(self, n_keys: int) -> int:
@@ -211,6 +214,8 @@ def host_index_fields(cfg: MagicPIGConfig) -> tuple[str, ...]:
     CPU the device's memory is host memory, and the lists stay where the merge rewrites
     them in place (host-resident lists visit the device and come back on every flush)."""
     return () if cfg.uses_native() else HOST_INDEX_FIELDS
+
+
 # correction() of a slot depends only on that slot's row and mask: the cache may
 # gather, correct and attend the selection a block of slots at a time.
 SLOT_WISE_CORRECTION = True

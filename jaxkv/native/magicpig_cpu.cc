@@ -1,4 +1,4 @@
-// MagicPIG's inverted index on the CPU as XLA FFI handlers (jaxkv/native/__init__.py builds
+// MagicPIG's sampling on the CPU as XLA FFI handlers (jaxkv/native/__init__.py builds
 // and registers them). They compute what jaxkv.attention.magicpig computes in XLA, exactly:
 //   - magicpig_collide: the sampled keys of a query group (select_with_stats's hits, their
 //     union's lowest C ids and each head's membership) from the buckets it reads;
@@ -128,6 +128,9 @@ ffi::Error collide(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_ids, ffi::
 
 // ---------------------------------------------------------------- merge
 
+// Whether a new key's code puts it in a bucket (code n_buckets marks a row not inserted).
+bool inserted(int32_t code, int64_t n_buckets) { return code >= 0 && code < n_buckets; }
+
 // One table: new keys n, n+1, ... with codes[j * stride] (n_buckets marks an unused row)
 // land after the old entries of their bucket, in id order; every old entry moves right by
 // the new keys in smaller buckets. Buckets are moved from the last down, so a move never
@@ -137,14 +140,14 @@ void merge_table(int32_t* ids, int32_t* starts, const int32_t* codes, int64_t st
   std::vector<int32_t> landed(n_buckets + 1, 0);  // landed[b + 1]: new keys in bucket b
   for (int64_t j = 0; j < n_new; ++j) {
     const int32_t code = codes[j * stride];
-    if (code >= 0 && code < n_buckets) ++landed[code + 1];
+    if (inserted(code, n_buckets)) ++landed[code + 1];
   }
   for (int64_t b = 0; b < n_buckets; ++b) landed[b + 1] += landed[b];  // landed[b]: in buckets < b
   std::vector<int32_t> order(landed[n_buckets]);  // new keys by bucket, in id order
   std::vector<int32_t> next(landed.begin(), landed.end() - 1);
   for (int64_t j = 0; j < n_new; ++j) {
     const int32_t code = codes[j * stride];
-    if (code >= 0 && code < n_buckets) order[next[code]++] = static_cast<int32_t>(n + j);
+    if (inserted(code, n_buckets)) order[next[code]++] = static_cast<int32_t>(n + j);
   }
   for (int64_t b = n_buckets - 1; b >= 0 && landed[b + 1] > 0; --b) {
     const int64_t lo = starts[b], size = starts[b + 1] - lo, shift = landed[b];
@@ -169,10 +172,8 @@ ffi::Error merge(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_ids, ffi::Bu
     const int32_t* starts = bucket_starts.typed_data() + b * n_tables * (n_buckets + 1);
     for (int64_t t = 0; t < n_tables; ++t) {
       int64_t live = 0;
-      for (int64_t j = 0; j < n_new; ++j) {
-        const int32_t code = new_codes.typed_data()[(b * n_new + j) * n_tables + t];
-        live += code >= 0 && code < n_buckets;
-      }
+      for (int64_t j = 0; j < n_new; ++j)
+        live += inserted(new_codes.typed_data()[(b * n_new + j) * n_tables + t], n_buckets);
       if (starts[t * (n_buckets + 1) + n_buckets] + live > cap || n.typed_data()[b] + live > cap)
         return ffi::Error::InvalidArgument("magicpig_merge: the new keys do not fit in the id lists");
     }
