@@ -8,6 +8,7 @@ the bound below is 1e-5 of the largest |score|.
 """
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv import cache as kvcache
 from jaxkv import native
 from jaxkv.attention import common, magicpig, pariskv, rsq
 from jaxkv.cache import HOST, CacheConfig
@@ -244,6 +246,26 @@ def test_native_magicpig_merge_equals_the_xla_path(n, count):
         all_keys, index.mu, jnp.arange(heads))
     np.testing.assert_array_equal(merged_n.sorted_ids, rebuilt.sorted_ids)
     np.testing.assert_array_equal(merged_n.bucket_starts, rebuilt.bucket_starts)
+
+
+def test_native_magicpig_flush_rewrites_the_id_lists_in_place():
+    """The cache's flush, compiled with the state donated, writes no new id list: no XLA op
+    (copy, fusion) produces an array of their shape, only the merge's in-place call. Before
+    the insertion ran under nested vmaps, reshaping [B, H] to B·H pairs made XLA copy
+    the lists twice per flush."""
+    b, h, d, prompt = 2, 2, 64, 600
+    mcfg = dataclasses.replace(MAGICPIG, sink=2, local=8)
+    ccfg = CacheConfig(sink=2, local=8, buffer=8, dense_threshold=0).resolve(mcfg)
+    keys = _keys(10, (b, h, prompt, d))
+    state = jax.jit(lambda k: kvcache.regions_from_prefill(
+        k, k * 0.5, jnp.full((b,), prompt, jnp.int32), method=magicpig, mcfg=mcfg, ccfg=ccfg,
+        capacity=prompt, key=jax.random.key(0)))(keys)
+    flush = jax.jit(functools.partial(kvcache.flush, method=magicpig, mcfg=mcfg, ccfg=ccfg), donate_argnums=0)
+    hlo = flush.lower(state).compile().as_text()
+    lists = ",".join(map(str, state.index.sorted_ids.shape[-2:]))
+    writers = set(re.findall(rf"= s32\[(?:\d+,)*{lists}\]\{{[\d,]*\}} ([\w-]+)\(", hlo))
+    assert "custom-call" in hlo and "jaxkv_magicpig_merge" in hlo
+    assert writers and not writers & {"copy", "fusion"}, writers
 
 
 def test_native_magicpig_is_validated():

@@ -216,6 +216,11 @@ def host_index_fields(cfg: MagicPIGConfig) -> tuple[str, ...]:
     return () if cfg.uses_native() else HOST_INDEX_FIELDS
 
 
+def inserts_in_place(cfg: MagicPIGConfig) -> bool:
+    """Whether :func:`insert` rewrites the id lists in place (the CPU kernels' merge)."""
+    return cfg.uses_native()
+
+
 # correction() of a slot depends only on that slot's row and mask: the cache may
 # gather, correct and attend the selection a block of slots at a time.
 SLOT_WISE_CORRECTION = True
