@@ -51,11 +51,27 @@ std::pair<int64_t, int64_t> bucket_range(const int32_t* starts, int64_t n_bucket
 int64_t sample_head(const int32_t* ids, const int32_t* starts, const int32_t* codes, int64_t tables,
                     int64_t cap, int64_t n_buckets, int64_t min_hits, uint16_t* hits, uint64_t* sampled) {
   std::memset(sampled, 0, (cap + 63) / 64 * sizeof(uint64_t));
+  // A table's bucket start and its first entries are a random line each, usually from
+  // DRAM: read table after table, each table waits for two misses. All starts are fetched
+  // first, then the head of every bucket (the hardware prefetcher follows a long one), so
+  // the misses of all tables overlap.
+  constexpr int64_t kLine = 64, kLinesAhead = 4;
+  const auto line = [](const void* p) { return reinterpret_cast<const char*>(p); };
+  for (int64_t t = 0; t < tables; ++t)
+    _mm_prefetch(line(starts + t * (n_buckets + 1) + std::clamp<int64_t>(codes[t], 0, n_buckets - 1)), _MM_HINT_T0);
+  thread_local std::vector<std::pair<int64_t, int64_t>> ranges;
+  ranges.resize(tables);
+  for (int64_t t = 0; t < tables; ++t) {
+    ranges[t] = bucket_range(starts + t * (n_buckets + 1), n_buckets, codes[t], cap);
+    const char* first = line(ids + t * cap + ranges[t].first);
+    const char* end = std::min(line(ids + t * cap + ranges[t].second), first + kLinesAhead * kLine);
+    for (const char* p = first - reinterpret_cast<uintptr_t>(first) % kLine; p < end; p += kLine)
+      _mm_prefetch(p, _MM_HINT_T0);
+  }
   const auto for_each_entry = [&](const auto& fn) {
     for (int64_t t = 0; t < tables; ++t) {
-      const auto [lo, hi] = bucket_range(starts + t * (n_buckets + 1), n_buckets, codes[t], cap);
       const int32_t* table = ids + t * cap;
-      for (int64_t e = lo; e < hi; ++e) fn(std::clamp<int64_t>(table[e], 0, cap - 1));
+      for (int64_t e = ranges[t].first; e < ranges[t].second; ++e) fn(std::clamp<int64_t>(table[e], 0, cap - 1));
     }
   };
   for_each_entry([&](int64_t id) {
