@@ -96,10 +96,12 @@ def test_native_vote_table_ranks_tied_patterns_as_the_xla_path():
     assert len(np.unique(np.asarray(table))) > 3  # several tiers in play
 
 
-def test_native_rerank_reads_any_rows_in_any_order():
+# Every padded dimension the kernel serves: each has its own compiled estimate.
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_native_rerank_reads_any_rows_in_any_order(d):
     """Unsorted rows with repeats, the first and last row: the estimate of each row."""
-    index = pariskv.build(CFG, _keys(2, (500, 64)), jnp.int32(500))
-    q_rot, q_norm = pariskv._query(CFG, _keys(3, (64,)))
+    index = pariskv.build(CFG, _keys(2, (500, d)), jnp.int32(500))
+    q_rot, q_norm = pariskv._query(CFG, _keys(3, (d,)))
     _, centres = pariskv._levels(CFG)
     rows = jnp.asarray([499, 0, 17, 17, 256, 3, 499, 128], jnp.int32)
     expected = rsq.estimate(jax.tree.map(lambda x: x[rows], index.codes), q_rot, q_norm, CFG.m, centres)

@@ -32,6 +32,7 @@ namespace {
 
 using jaxkv_native::parallel_chunks;
 using jaxkv_native::parallel_for;
+using jaxkv_native::prefetch_lines;
 using jaxkv_native::product;
 
 // The bucket [lo, hi) of `code` in one table's starts[n_buckets + 1], clamped to the id list.
@@ -42,13 +43,6 @@ std::pair<int64_t, int64_t> bucket_range(const int32_t* starts, int64_t n_bucket
   const int64_t b = bucket_of(code, n_buckets);
   const int64_t lo = std::clamp<int64_t>(starts[b], 0, cap);
   return {lo, std::clamp<int64_t>(starts[b + 1], lo, cap)};
-}
-
-// Fetch every cache line of [begin, end) into the caches.
-void prefetch_lines(const void* begin, const void* end) {
-  constexpr uintptr_t kLine = 64;
-  for (uintptr_t p = reinterpret_cast<uintptr_t>(begin) & ~(kLine - 1); p < reinterpret_cast<uintptr_t>(end); p += kLine)
-    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
 // ---------------------------------------------------------------- collide

@@ -1,5 +1,6 @@
-// What jaxkv's CPU kernels share: the batch size of an FFI buffer's leading axes, and work
-// split over XLA's intra-op thread pool. Included by every kernel source of the library.
+// What jaxkv's CPU kernels share: a cache-line prefetch, the batch size of an FFI buffer's
+// leading axes, and work split over XLA's intra-op thread pool. Included by every kernel
+// source of the library.
 #pragma once
 
 #include <immintrin.h>
@@ -14,6 +15,13 @@
 namespace jaxkv_native {
 
 namespace ffi = xla::ffi;
+
+// Fetch every cache line of [begin, end) into the caches.
+inline void prefetch_lines(const void* begin, const void* end) {
+  constexpr uintptr_t kLine = 64;
+  for (uintptr_t p = reinterpret_cast<uintptr_t>(begin) & ~(kLine - 1); p < reinterpret_cast<uintptr_t>(end); p += kLine)
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
 
 // The number of elements of dims[begin, end) (the batch of a buffer's leading axes).
 inline int64_t product(ffi::Span<const int64_t> dims, size_t begin, size_t end) {
