@@ -440,8 +440,8 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
 
     With the retrieval region on the device and a method config whose
     ``uses_kernels()`` holds, the attention runs in the gather-attention kernel;
-    a method whose ``reads_rows_in_place(mcfg, keys)`` holds (MagicPIG's CPU
-    kernels) attends the rows where they lie, host memory included; otherwise
+    a method whose ``reads_rows_in_place(mcfg, keys)`` holds (the CPU kernels of
+    MagicPIG and ParisKV) attends the rows where they lie, host memory included; otherwise
     host-offloaded rows are gathered on the host side first and attended by XLA,
     block by block for a method whose correction is slot-wise
     (``SLOT_WISE_CORRECTION``) and whose selection exceeds a block.

@@ -137,6 +137,49 @@ def test_native_top_k_of_close_rising_values(k):
     np.testing.assert_array_equal(jax.jit(native.top_k, static_argnums=1)(values, k), jax.lax.top_k(values, k)[1])
 
 
+# Float32 rounding apart: the same products summed in another order (scores over d ≤ 128,
+# value sums over a few thousand rows), libm's transcendentals against XLA's in
+# MagicPIG's correction (a few ulp each): relative to the largest entry, well under 1e-5.
+PARTIAL_RTOL = 1e-5
+
+
+def _assert_partials_close(got, want):
+    np.testing.assert_allclose(got.m, want.m, rtol=1e-5, atol=1e-5)
+    for field in ("o", "l"):
+        want_x = np.asarray(getattr(want, field))
+        np.testing.assert_allclose(getattr(got, field), want_x, rtol=0, atol=PARTIAL_RTOL * np.abs(want_x).max())
+
+
+def _assert_attends_in_place(attend_in_place, index, q, keys, values, sel, want):
+    """attend_in_place (vmapped over heads) gives the gathered rows' partial, and the same
+    partial bit for bit with the rows in host memory."""
+    in_place = jax.jit(jax.vmap(attend_in_place))
+    got = in_place(index, q, keys, values, sel)
+    _assert_partials_close(got, want)
+    from_host = in_place(index, q, jax.device_put(keys, HOST), jax.device_put(values, HOST), sel)
+    for field in ("o", "l", "m"):
+        np.testing.assert_array_equal(getattr(from_host, field), getattr(got, field))
+
+
+# top-k 40 (one of the kernel's 256-slot blocks) and 600 (three, their partials merged);
+# n = 30 < 40 leaves slots past the valid keys masked out. The queries at 0.3 of the keys'
+# scale spread the weights over most selected rows (exp of their entropy: 11-32 rows of
+# 40, 248-405 of 600), so that a dropped or doubled row shows.
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("top_k, n", [(40, 2900), (600, 2900), (40, 30)])
+def test_native_pariskv_attends_its_rows_in_place(d, top_k, n):
+    heads, cap = 2, 3000
+    cfg = dataclasses.replace(CFG, top_k=top_k)
+    keys, values = _keys(20, (heads, cap, d)), _keys(21, (heads, cap, d))
+    index = jax.vmap(lambda k: pariskv.build(cfg, k, jnp.int32(n)))(keys)
+    q = _keys(22, (heads, 3, d)) * 0.3
+    sel = jax.vmap(lambda ix, qq: pariskv.select(cfg, ix, qq))(index, q)
+    assert int(sel.mask.sum()) == heads * min(n, top_k)
+    want = jax.vmap(lambda qq, k, v, s: common.partial_attention(qq, k[s.idx], v[s.idx], s.mask))(
+        q, keys, values, sel)
+    _assert_attends_in_place(functools.partial(pariskv.attend_in_place, cfg), index, q, keys, values, sel, want)
+
+
 def test_native_mode_is_validated():
     assert CFG.uses_native() and not CFG.uses_kernels()
     assert not pariskv.ParisKVConfig().uses_native()
@@ -290,18 +333,6 @@ def _gathered_partial(cfg, index, q, keys, values, selection):
     return common.partial_attention(q, k_rows, v_rows, selection.mask, log_weight)
 
 
-# Float32 rounding apart: the same products summed in another order (scores over d ≤ 128,
-# value sums over a few thousand rows), libm's transcendentals against XLA's in the
-# correction (a few ulp each): relative to the largest entry, well under 1e-5.
-PARTIAL_RTOL = 1e-5
-
-
-def _assert_partials_close(got, want):
-    np.testing.assert_allclose(got.m, want.m, rtol=1e-5, atol=1e-5)
-    for field in ("o", "l"):
-        want_x = np.asarray(getattr(want, field))
-        np.testing.assert_allclose(getattr(got, field), want_x, rtol=0, atol=PARTIAL_RTOL * np.abs(want_x).max())
-
 
 
 # d = 64 and 128; the sample truncated by its capacity; heads stopped by the candidate
@@ -324,13 +355,7 @@ def test_native_magicpig_attend_equals_gather_and_correct(changes, d, q_scale):
     sel = jax.vmap(lambda ix, qq: magicpig.select(cfg, ix, qq))(index, q)
     assert int(sel.mask.sum()) >= 80  # not vacuous: dozens of sampled rows per head
     want = jax.jit(jax.vmap(functools.partial(_gathered_partial, cfg)))(index, q, keys, values, sel)
-    in_place = jax.jit(jax.vmap(functools.partial(magicpig.attend_in_place, cfg)))
-    got = in_place(index, q, keys, values, sel)
-    _assert_partials_close(got, want)
-    # The rows read in place from host memory: the same partial, bit for bit.
-    from_host = in_place(index, q, jax.device_put(keys, HOST), jax.device_put(values, HOST), sel)
-    for field in ("o", "l", "m"):
-        np.testing.assert_array_equal(getattr(from_host, field), getattr(got, field))
+    _assert_attends_in_place(functools.partial(magicpig.attend_in_place, cfg), index, q, keys, values, sel, want)
 
 
 @pytest.mark.parametrize("tables", [150, 7])

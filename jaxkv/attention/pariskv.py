@@ -471,6 +471,23 @@ def correction(cfg, index, q, k_rows, selection):
     return None
 
 
+def reads_rows_in_place(cfg: ParisKVConfig, keys: jax.Array) -> bool:
+    """Whether :func:`attend_in_place` serves this config and region: the CPU kernels, float32 rows."""
+    return cfg.uses_native() and keys.dtype == jnp.float32
+
+
+def attend_in_place(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, keys: jax.Array, values: jax.Array,
+                    selection: common.Selection) -> common.Partial:
+    """The partial of q[G, d] over the selection's rows of keys, values [cap, d] in one
+    ``jaxkv.native`` call that reads the rows where they lie (host memory included):
+    ``common.partial_attention`` over gathered copies gives the same, up to float32 rounding.
+    The top-k's rows lie scattered over the region: XLA's gather copied them one at a time,
+    waiting on each (1.3 ms of a 3.2 ms top-2048 step at 256k keys, SmolLM2 shape)."""
+    mask = jnp.broadcast_to(selection.mask, (q.shape[0], selection.idx.shape[-1]))
+    o, l, m = native.attend_rows(q, keys, values, selection.idx, mask, masked_score=common.MASKED_SCORE)
+    return common.Partial(o=o, l=l, m=m)
+
+
 def attend(cfg: ParisKVConfig, q, keys, values, key=None):
     """(output [G, d], keys read) over sink + local exactly and retrieved top-k of the rest."""
     return common.attend_with_method(sys.modules[__name__], cfg, q, keys, values, key)

@@ -7,9 +7,10 @@ and BMI2) and linked with glibc's vector math (libmvec, glibc 2.35 or later), ca
 under ``$JAXKV_NATIVE_CACHE`` (default ``~/.cache/jaxkv/native``) by a digest of the
 sources, the compiler command and this CPU, and registered with ``jax.ffi`` for the CPU
 platform. :func:`available` says whether that worked;
-``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank and final top-k in
-them; ``MagicPIGConfig(kernels="native")`` MagicPIG's sampling (which keys collide), the
-attention over the sample with its correction, and the insertion's merge.
+``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank, final top-k and
+the attention over its rows in them; ``MagicPIGConfig(kernels="native")`` MagicPIG's
+sampling (which keys collide), the attention over the sample with its correction, and the
+insertion's merge.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ SOURCES = tuple(sorted(pathlib.Path(__file__).parent.glob("*.cc")))
 HEADERS = tuple(sorted(pathlib.Path(__file__).parent.glob("*.h")))
 TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "PariskvRerank",
            "jaxkv_top_k": "TopK", "jaxkv_magicpig_collide": "MagicpigCollide",
-           "jaxkv_magicpig_merge": "MagicpigMerge", "jaxkv_magicpig_attend": "MagicpigAttend"}
+           "jaxkv_magicpig_merge": "MagicpigMerge", "jaxkv_magicpig_attend": "MagicpigAttend",
+           "jaxkv_attend_rows": "AttendRows"}
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2")  # byte permutes for the votes, bit deposits
 
 
@@ -188,6 +190,24 @@ def magicpig_merge(sorted_ids: jax.Array, bucket_starts: jax.Array, new_codes: j
                 jnp.broadcast_to(jnp.asarray(n, jnp.int32), sorted_ids.shape[:-2]))
 
 
+def _partial_shapes(q: jax.Array):
+    batch, (heads, d) = q.shape[:-2], q.shape[-2:]
+    return (jax.ShapeDtypeStruct((*batch, heads, d), jnp.float32), jax.ShapeDtypeStruct((*batch, heads), jnp.float32),
+            jax.ShapeDtypeStruct((*batch, heads), jnp.float32))
+
+
+def attend_rows(q: jax.Array, keys: jax.Array, values: jax.Array, idx: jax.Array, mask: jax.Array, *,
+                masked_score: float):
+    """The partial (o [..., G, d], l [..., G], m [..., G]) of q [..., G, d] over the rows idx [..., C]
+    of keys, values [..., cap, d] (float32, read in place) that head g attends (mask [..., G, C]):
+    ``common.partial_attention`` over the gathered rows, up to float32 rounding, with no copy of them.
+    """
+    _load()
+    call = jax.ffi.ffi_call("jaxkv_attend_rows", _partial_shapes(q), vmap_method="broadcast_all")
+    return call(q.astype(jnp.float32), keys, values, idx.astype(jnp.int32), mask,
+                masked_score=np.float32(masked_score))
+
+
 def magicpig_attend(q: jax.Array, keys: jax.Array, values: jax.Array, mu: jax.Array, idx: jax.Array,
                     mask: jax.Array, tables_used: jax.Array, *, K: int, min_hits: int, tail_terms: int,
                     log_u_floor: float, masked_score: float):
@@ -198,12 +218,7 @@ def magicpig_attend(q: jax.Array, keys: jax.Array, values: jax.Array, mu: jax.Ar
     tables_used [..., G] tables. ``common.partial_attention``'s result up to float32 rounding.
     """
     _load()
-    batch, (heads, d) = q.shape[:-2], q.shape[-2:]
-    call = jax.ffi.ffi_call(
-        "jaxkv_magicpig_attend",
-        (jax.ShapeDtypeStruct((*batch, heads, d), jnp.float32), jax.ShapeDtypeStruct((*batch, heads), jnp.float32),
-         jax.ShapeDtypeStruct((*batch, heads), jnp.float32)),
-        vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call("jaxkv_magicpig_attend", _partial_shapes(q), vmap_method="broadcast_all")
     return call(q.astype(jnp.float32), keys, values, mu.astype(jnp.float32), idx.astype(jnp.int32), mask,
                 tables_used.astype(jnp.int32), k_bits=np.int64(K), min_hits=np.int64(min_hits),
                 tail_terms=np.int64(tail_terms), log_u_floor=np.float32(log_u_floor),

@@ -4,7 +4,9 @@
 //     union's lowest C ids and each head's membership) from the buckets it reads;
 //   - magicpig_merge: insert's merge of new keys into every table's sorted id list;
 //   - magicpig_attend: the partial over the sampled rows, the importance correction
-//     (collision_log_prob) included: cache._attend_rows's (o, l, m) up to float32 rounding.
+//     (collision_log_prob) included: cache._attend_rows's (o, l, m) up to float32 rounding;
+//   - attend_rows: the same kernel without a correction, for any method's selected rows
+//     (ParisKV's top-k).
 // XLA CPU works over static capacities: a query head's hits come from candidate_entries
 // (N/2) slots and a histogram over all N keys, whatever its buckets hold, and a merge
 // gathers every slot of every table. Here a head reads only the entries of its buckets
@@ -309,7 +311,7 @@ struct AttendHead {
   const float *q, *keys, *values, *mu;
   const int32_t* idx;
   const bool* mask;
-  const std::vector<CollisionLogProb>* log_prob;  // one per query head (its tables read)
+  const std::vector<CollisionLogProb>* log_prob;  // one per query head (its tables read); null: no correction
   int64_t heads, d, cap, slots;
   float scale, log_u_floor;
 };
@@ -337,13 +339,18 @@ void attend_block(const AttendHead& a, int64_t begin, int64_t end, Partial& out)
     if (c + kRowsAhead < end) prefetch_row(a.keys + row_of(c + kRowsAhead), a.d);
     if (!sampled_by_any(c)) continue;
     const float* k = a.keys + row_of(c);
-    for (int64_t i = 0; i < a.d; ++i) centred[i] = k[i] - a.mu[i];
-    const float k_norm = std::sqrt(dot(centred.data(), centred.data(), a.d));
+    float k_norm = 0.0f;
+    if (a.log_prob) {
+      for (int64_t i = 0; i < a.d; ++i) centred[i] = k[i] - a.mu[i];
+      k_norm = std::sqrt(dot(centred.data(), centred.data(), a.d));
+    }
     for (int64_t g = 0; g < a.heads; ++g) {
       if (!a.mask[g * a.slots + c]) continue;
       const float* q = a.q + g * a.d;
-      const float norms = q_norm[g] * k_norm;
-      cosine[g * lanes + c - begin] = norms > 0 ? dot(q, centred.data(), a.d) / norms : 0.0f;
+      if (a.log_prob) {
+        const float norms = q_norm[g] * k_norm;
+        cosine[g * lanes + c - begin] = norms > 0 ? dot(q, centred.data(), a.d) / norms : 0.0f;
+      }
       score[g * lanes + c - begin] = dot(q, k, a.d) * a.scale;
     }
   }
@@ -354,10 +361,13 @@ void attend_block(const AttendHead& a, int64_t begin, int64_t end, Partial& out)
       float* s = score.data() + g * lanes + c;
       const __mmask16 sampled = _mm512_cmp_ps_mask(_mm512_loadu_ps(s), unsampled, _CMP_NEQ_OQ);
       if (!sampled) continue;  // the correction only where this head sampled a row
-      const __m512 log_u = _mm512_max_ps((*a.log_prob)[g](_mm512_loadu_ps(cosine.data() + g * lanes + c)),
-                                         _mm512_set1_ps(a.log_u_floor));
-      const __m512 corrected = _mm512_mask_sub_ps(unsampled, sampled, _mm512_loadu_ps(s), log_u);
-      _mm512_storeu_ps(s, corrected);
+      __m512 corrected = _mm512_loadu_ps(s);
+      if (a.log_prob) {
+        const __m512 log_u = _mm512_max_ps((*a.log_prob)[g](_mm512_loadu_ps(cosine.data() + g * lanes + c)),
+                                           _mm512_set1_ps(a.log_u_floor));
+        corrected = _mm512_mask_sub_ps(unsampled, sampled, corrected, log_u);
+        _mm512_storeu_ps(s, corrected);
+      }
       top = _mm512_max_ps(top, corrected);
     }
     out.m[g] = _mm512_reduce_max_ps(top);
@@ -388,6 +398,36 @@ void attend_block(const AttendHead& a, int64_t begin, int64_t end, Partial& out)
   }
 }
 
+// Every batch entry's partial from blocks of slots in parallel, each block a partial of its
+// own, merged per head in order.
+void attend_heads(ffi::ThreadPool& pool, const std::vector<AttendHead>& work, int64_t heads, int64_t d,
+                  int64_t slots, float masked_score, ffi::ResultBuffer<ffi::F32>& o, ffi::ResultBuffer<ffi::F32>& l,
+                  ffi::ResultBuffer<ffi::F32>& m) {
+  const int64_t batch = static_cast<int64_t>(work.size());
+  constexpr int64_t kBlock = 256;  // several per KV head even at 8k keys, for both threads
+  const int64_t blocks = (slots + kBlock - 1) / kBlock;
+  std::vector<Partial> parts(batch * blocks, Partial(heads, d, masked_score));
+  parallel_chunks(pool, batch, slots, kBlock, [&](int64_t b, int64_t begin, int64_t end) {
+    attend_block(work[b], begin, end, parts[b * blocks + begin / kBlock]);
+  });
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t g = 0; g < heads; ++g) {
+      float top = masked_score;
+      for (int64_t j = 0; j < blocks; ++j) top = std::max(top, parts[b * blocks + j].m[g]);
+      float* out_o = o->typed_data() + (b * heads + g) * d;
+      float& out_l = l->typed_data()[b * heads + g];
+      std::fill(out_o, out_o + d, 0.0f);
+      out_l = 0.0f;
+      for (int64_t j = 0; j < blocks; ++j) {
+        const Partial& part = parts[b * blocks + j];
+        const float factor = part.l[g] > 0 ? std::exp(part.m[g] - top) : 0.0f;
+        for (int64_t i = 0; i < d; ++i) out_o[i] += factor * part.o[g * d + i];
+        out_l += factor * part.l[g];
+      }
+      m->typed_data()[b * heads + g] = top;
+    }
+}
+
 ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
                   ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::S32> idx,
                   ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> tables_used, int64_t k_bits, int64_t min_hits,
@@ -414,29 +454,31 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
                mu.typed_data() + b * d, idx.typed_data() + b * slots, mask.typed_data() + b * heads * slots,
                &log_prob[b], heads, d, cap, slots, 1.0f / std::sqrt(static_cast<float>(d)), log_u_floor};
   }
-  // Blocks of slots in parallel, each with a partial of its own, merged per head in order.
-  constexpr int64_t kBlock = 256;  // several per KV head even at 8k keys, for both threads
-  const int64_t blocks = (slots + kBlock - 1) / kBlock;
-  std::vector<Partial> parts(batch * blocks, Partial(heads, d, masked_score));
-  parallel_chunks(pool, batch, slots, kBlock, [&](int64_t b, int64_t begin, int64_t end) {
-    attend_block(work[b], begin, end, parts[b * blocks + begin / kBlock]);
-  });
+  attend_heads(pool, work, heads, d, slots, masked_score, o, l, m);
+  return ffi::Error::Success();
+}
+
+
+ffi::Error attend_rows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                       ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::PRED> mask,
+                       float masked_score, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l,
+                       ffi::ResultBuffer<ffi::F32> m) {
+  const auto qd = q.dimensions(), kd = keys.dimensions();
+  if (qd.size() < 2 || kd.size() != qd.size())
+    return ffi::Error::InvalidArgument("attend_rows: q [..., G, d], keys [..., cap, d]");
+  const int64_t heads = qd[qd.size() - 2], d = qd.back(), cap = kd[kd.size() - 2];
+  const int64_t batch = product(qd, 0, qd.size() - 2), slots = idx.dimensions().back();
+  if (kd.back() != d || values.element_count() != batch * cap * d || idx.element_count() != batch * slots ||
+      mask.element_count() != batch * heads * slots || o->element_count() != batch * heads * d ||
+      l->element_count() != batch * heads || m->element_count() != batch * heads)
+    return ffi::Error::InvalidArgument("attend_rows: values [..., cap, d], idx [..., C], mask [..., G, C]; "
+                                       "o [..., G, d], l and m [..., G]");
+  std::vector<AttendHead> work(batch);
   for (int64_t b = 0; b < batch; ++b)
-    for (int64_t g = 0; g < heads; ++g) {
-      float top = masked_score;
-      for (int64_t j = 0; j < blocks; ++j) top = std::max(top, parts[b * blocks + j].m[g]);
-      float* out_o = o->typed_data() + (b * heads + g) * d;
-      float& out_l = l->typed_data()[b * heads + g];
-      std::fill(out_o, out_o + d, 0.0f);
-      out_l = 0.0f;
-      for (int64_t j = 0; j < blocks; ++j) {
-        const Partial& part = parts[b * blocks + j];
-        const float factor = part.l[g] > 0 ? std::exp(part.m[g] - top) : 0.0f;
-        for (int64_t i = 0; i < d; ++i) out_o[i] += factor * part.o[g * d + i];
-        out_l += factor * part.l[g];
-      }
-      m->typed_data()[b * heads + g] = top;
-    }
+    work[b] = {q.typed_data() + b * heads * d, keys.typed_data() + b * cap * d, values.typed_data() + b * cap * d,
+               nullptr, idx.typed_data() + b * slots, mask.typed_data() + b * heads * slots, nullptr, heads, d, cap,
+               slots, 1.0f / std::sqrt(static_cast<float>(d)), 0.0f};
+  attend_heads(pool, work, heads, d, slots, masked_score, o, l, m);
   return ffi::Error::Success();
 }
 
@@ -479,6 +521,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigAttend, attend,
                                   .Attr<int64_t>("min_hits")
                                   .Attr<int64_t>("tail_terms")
                                   .Attr<float>("log_u_floor")
+                                  .Attr<float>("masked_score")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttendRows, attend_rows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Attr<float>("masked_score")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
