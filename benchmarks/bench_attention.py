@@ -35,7 +35,7 @@ nor drop it.
 - stages of the same step, each a separate jitted call over the same state:
   select (ParisKV: coarse votes, coarse top-C, rerank + top-k), host gather of
   K and V, the correction (MagicPIG), attention over the gathered rows; for
-  ``magicpig-native``, whose kernel reads the rows in place, select and that
+  the native methods, whose kernels read the rows in place, select and that
   one call (under "attend"). They show where the time goes, not parts that
   sum to the looped step.
 
@@ -293,25 +293,23 @@ def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]
     select_one = kvcache.method_select(method, mcfg, ccfg)
     select = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select_one(mcfg, ix, qq)))
     sel = jax.block_until_ready(select(state.index, qg))
+    stages = {"select": time_calls(lambda: select(state.index, qg), repeats)}
+    if method is pariskv:
+        stages.update(pariskv_select_stages(state.index, mcfg, qg, repeats))
     if kvcache.attends_in_place(method, mcfg, state.retr_k):  # one call gathers, corrects and attends
         attend = jax.jit(lambda qq, st, s: kvcache.attend_rows_in_place(qq, st, s, method=method, mcfg=mcfg))
-        return {"select": time_calls(lambda: select(state.index, qg), repeats),
-                "attend": time_calls(lambda: attend(qg, state, sel), repeats)}, sel
+        stages["attend"] = time_calls(lambda: attend(qg, state, sel), repeats)
+        return stages, sel
     gather = jax.jit(lambda rk, rv, idx: (kvcache.gather_rows(rk, idx, ccfg), kvcache.gather_rows(rv, idx, ccfg)))
     k_rows, v_rows = jax.block_until_ready(gather(state.retr_k, state.retr_v, sel.idx))
     correct = jax.jit(kvcache.over_batch_heads(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s)))
     log_weight = correct(state.index, qg, k_rows, sel)
     attend_sel = jax.jit(kvcache.over_batch_heads(common.attend_selection))
     sel_w = dataclasses.replace(sel, log_weight=log_weight)
-    stages = {
-        "select": time_calls(lambda: select(state.index, qg), repeats),
-        "gather": time_calls(lambda: gather(state.retr_k, state.retr_v, sel.idx), repeats),
-        "attend": time_calls(lambda: attend_sel(qg, k_rows, v_rows, sel_w), repeats),
-    }
+    stages["gather"] = time_calls(lambda: gather(state.retr_k, state.retr_v, sel.idx), repeats)
+    stages["attend"] = time_calls(lambda: attend_sel(qg, k_rows, v_rows, sel_w), repeats)
     if log_weight is not None:
         stages["correction"] = time_calls(lambda: correct(state.index, qg, k_rows, sel), repeats)
-    if method is pariskv:
-        stages.update(pariskv_select_stages(state.index, mcfg, qg, repeats))
     return stages, sel
 
 
@@ -457,7 +455,7 @@ def markdown(rows: list[dict], skipped: list[str], bandwidth: dict, meta: dict) 
             f"{r['x_floor']:.1f} | {r['index_B_per_token_head']:.0f} | {r['kv_bf16_B_per_token_head']} |")
     lines += ["", "Stages (each jitted alone over the same state, separate calls: a call pays what the "
               "loop pays once, so they are not parts of the step above; ms, median). A method that "
-              "attends in place (MagicPIG native) has no gather or correction: its attend is all three.", "",
+              "attends in place (the native ones) has no gather or correction: its attend is all three.", "",
               "| shape | N | method | select | (coarse: votes / top-C) | (rerank) | gather | correction | attend | "
               "rows gathered/head | MagicPIG entries read/head |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
