@@ -37,10 +37,10 @@ using jaxkv_native::parallel_for;
 using jaxkv_native::prefetch_lines;
 using jaxkv_native::product;
 
-// The bucket [lo, hi) of `code` in one table's starts[n_buckets + 1], clamped to the id list.
 // The bucket of `code`, clamped to the table's n_buckets.
 int64_t bucket_of(int32_t code, int64_t n_buckets) { return std::clamp<int64_t>(code, 0, n_buckets - 1); }
 
+// The bucket [lo, hi) of `code` in one table's starts[n_buckets + 1], clamped to the id list.
 std::pair<int64_t, int64_t> bucket_range(const int32_t* starts, int64_t n_buckets, int32_t code, int64_t cap) {
   const int64_t b = bucket_of(code, n_buckets);
   const int64_t lo = std::clamp<int64_t>(starts[b], 0, cap);
