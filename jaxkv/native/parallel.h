@@ -16,11 +16,13 @@ namespace jaxkv_native {
 
 namespace ffi = xla::ffi;
 
-// Fetch every cache line of [begin, end) into the caches.
+// Fetch every cache line of [begin, end) into the caches (L1 by default; kHint = _MM_HINT_T1
+// fetches into L2, see the kernels' rows scattered over DRAM).
+template <_mm_hint kHint = _MM_HINT_T0>
 inline void prefetch_lines(const void* begin, const void* end) {
   constexpr uintptr_t kLine = 64;
   for (uintptr_t p = reinterpret_cast<uintptr_t>(begin) & ~(kLine - 1); p < reinterpret_cast<uintptr_t>(end); p += kLine)
-    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p), kHint);
 }
 
 // The number of elements of dims[begin, end) (the batch of a buffer's leading axes).
