@@ -51,12 +51,16 @@ std::pair<int64_t, int64_t> bucket_range(const int32_t* starts, int64_t n_bucket
 
 // One query head: bit i of `sampled` (cap bits, zeroed here) is set iff key i occurs in at
 // least min_hits of the buckets of the first `tables` tables. An id occurs at most once per
-// table, so its hit count is its number of occurrences: counted in `hits` (cap entries, all
-// zero on entry and on return), the bit set when a count reaches min_hits. Returns the
-// number of sampled keys.
+// table, so its hit count is its number of occurrences. For min_hits <= 2 (the paper's
+// rule) a bitmap of the ids seen once is count enough: cap / 8 bytes, 32 KB at 256k keys and
+// mostly in L1. Higher thresholds count in `hits` (cap entries, all zero on entry and on
+// return), the bit set when a count reaches min_hits; its 16-bit counters (512 KB at 256k)
+// wait on L2 for every entry and take a second pass to clear. Returns the number of sampled
+// keys.
 int64_t sample_head(const int32_t* ids, const int32_t* starts, const int32_t* codes, int64_t tables,
                     int64_t cap, int64_t n_buckets, int64_t min_hits, uint16_t* hits, uint64_t* sampled) {
-  std::memset(sampled, 0, (cap + 63) / 64 * sizeof(uint64_t));
+  const int64_t words = (cap + 63) / 64;
+  std::memset(sampled, 0, words * sizeof(uint64_t));
   // A table's bucket start and its first entries are a random line each, usually from
   // DRAM: read table after table, each table waits for two misses. All starts are fetched
   // first, then the head of every bucket (the hardware prefetcher follows a long one), so
@@ -79,13 +83,24 @@ int64_t sample_head(const int32_t* ids, const int32_t* starts, const int32_t* co
       for (int64_t e = ranges[t].first; e < ranges[t].second; ++e) fn(std::clamp<int64_t>(table[e], 0, cap - 1));
     }
   };
-  for_each_entry([&](int64_t id) {
-    const int64_t count = ++hits[id];
-    sampled[id >> 6] |= static_cast<uint64_t>(count == min_hits) << (id & 63);  // no branch on the count
-  });
-  for_each_entry([&](int64_t id) { hits[id] = 0; });
+  if (min_hits <= 2) {
+    thread_local std::vector<uint64_t> seen;
+    seen.assign(words, 0);
+    for_each_entry([&](int64_t id) {
+      const uint64_t bit = uint64_t{1} << (id & 63);
+      uint64_t& seen_once = seen[id >> 6];
+      sampled[id >> 6] |= min_hits == 1 ? bit : seen_once & bit;
+      seen_once |= bit;
+    });
+  } else {
+    for_each_entry([&](int64_t id) {
+      const int64_t count = ++hits[id];
+      sampled[id >> 6] |= static_cast<uint64_t>(count == min_hits) << (id & 63);  // no branch on the count
+    });
+    for_each_entry([&](int64_t id) { hits[id] = 0; });
+  }
   int64_t total = 0;
-  for (int64_t w = 0; w < (cap + 63) / 64; ++w) total += __builtin_popcountll(sampled[w]);
+  for (int64_t w = 0; w < words; ++w) total += __builtin_popcountll(sampled[w]);
   return total;
 }
 
@@ -131,7 +146,7 @@ ffi::Error collide(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_ids, ffi::
   std::vector<uint64_t> sampled(batch * n_heads * words);
   parallel_for(pool, batch * n_heads, [&](int64_t item) {
     thread_local std::vector<uint16_t> hits;  // zero between calls: sample_head leaves it so
-    if (static_cast<int64_t>(hits.size()) < cap) hits.assign(cap, 0);
+    if (min_hits > 2 && static_cast<int64_t>(hits.size()) < cap) hits.assign(cap, 0);
     const int64_t b = item / n_heads;
     const int64_t tables = std::clamp<int64_t>(tables_used.typed_data()[item], 0, n_tables);
     n_sampled->typed_data()[item] = static_cast<int32_t>(
