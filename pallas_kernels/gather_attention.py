@@ -62,14 +62,15 @@ def gather_attention_reference(q, k, v, idx, mask, log_weight=None):
     _check(q, k, v, idx, mask, log_weight)
     g, d = q.shape
     rows = jnp.clip(idx, 0, k.shape[0] - 1)
-    s = jnp.einsum("gd,cd->gc", q.astype(jnp.float32), k[rows].astype(jnp.float32)) / math.sqrt(d)
+    s = jnp.einsum("gd,cd->gc", q.astype(jnp.float32), k[rows].astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST) / math.sqrt(d)
     if log_weight is not None:
         s = s + jnp.broadcast_to(log_weight, s.shape).astype(jnp.float32)
     live = jnp.broadcast_to(mask, s.shape)
     s = jnp.where(live, s, MASKED_SCORE)
     m = jnp.max(s, axis=-1, initial=MASKED_SCORE)
     p = jnp.where(live, jnp.exp(s - m[:, None]), 0.0)
-    o = jnp.einsum("gc,cd->gd", p, v[rows].astype(jnp.float32))
+    o = jnp.einsum("gc,cd->gd", p, v[rows].astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return o, jnp.sum(p, axis=-1), m
 
 

@@ -27,6 +27,10 @@ import jax.numpy as jnp
 # Scores of masked-out keys. Finite (not -inf) so that a fully masked row
 # gives l = 0 and o = 0 instead of NaN from (-inf) - (-inf).
 MASKED_SCORE = -1e30
+# Precision of the float32 products over keys and values. On a GPU, XLA's default
+# for float32 is TF32 (a 10-bit mantissa: ~1e-3 relative error in a score); these
+# products are matrix-vector, bound by memory, so full float32 costs nothing there.
+FULL_F32 = jax.lax.Precision.HIGHEST
 
 
 @jax.tree_util.register_dataclass
@@ -66,7 +70,7 @@ class Selection:
 def scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """Scaled dot-product scores ``q·k/√d`` in float32: [G, d] × [N, d] → [G, N]."""
     d = q.shape[-1]
-    return jnp.einsum("gd,nd->gn", q.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(d)
+    return jnp.einsum("gd,nd->gn", q.astype(jnp.float32), k.astype(jnp.float32), precision=FULL_F32) / math.sqrt(d)
 
 
 def partial_attention(q, k, v, mask=None, log_weight=None) -> Partial:
@@ -90,7 +94,7 @@ def partial_from_scores(s: jax.Array, v: jax.Array) -> Partial:
     # inputs propagate to the output instead of silently dropping a key.
     live = ~(s <= MASKED_SCORE / 2)
     p = jnp.where(live, jnp.exp(s - m[:, None]), 0.0)
-    o = jnp.einsum("gn,nd->gd", p, v.astype(jnp.float32))
+    o = jnp.einsum("gn,nd->gd", p, v.astype(jnp.float32), precision=FULL_F32)
     return Partial(o=o, l=jnp.sum(p, axis=-1), m=m)
 
 

@@ -128,7 +128,7 @@ def _sample_mean(w, v, budget, key, count, max_draws):
     idx = jnp.minimum(jax.vmap(lambda c, x: jnp.searchsorted(c, x, side="right"))(cdf, u), n - 1)
     live = (jnp.arange(max_draws)[None, :] < draws[:, None]).astype(jnp.float32)
     counts = jnp.zeros((g, n), jnp.float32).at[jnp.arange(g)[:, None], idx].add(live)
-    mean = jnp.einsum("gn,nd->gd", counts, v.astype(jnp.float32)) / jnp.maximum(draws, 1)[:, None]
+    mean = jnp.einsum("gn,nd->gd", counts, v.astype(jnp.float32), precision=common.FULL_F32) / jnp.maximum(draws, 1)[:, None]
     return mean, counts > 0
 
 
@@ -174,7 +174,7 @@ def hybrid_oracle(q, k, v, budget: int, key, *, max_draws: int | None = None, ma
     top = _top_mask(w, n_top)
     if mask is not None:
         top = top & jnp.broadcast_to(mask, top.shape)
-    exact = jnp.einsum("gn,nd->gd", jnp.where(top, w, 0.0), v.astype(jnp.float32))
+    exact = jnp.einsum("gn,nd->gd", jnp.where(top, w, 0.0), v.astype(jnp.float32), precision=common.FULL_F32)
     rest = jnp.where(top, 0.0, w)
     mean, sampled = _sample_mean(rest, v, budget - n_top, key, "distinct", max_draws)
     # Sum the remaining weights directly: 1 − Σ_top w loses them to rounding.

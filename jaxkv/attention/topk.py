@@ -50,7 +50,7 @@ def insert(cfg: TopKConfig, index: TopKIndex, keys_new, count) -> TopKIndex:
 def select(cfg: TopKConfig, index: TopKIndex, q) -> Selection:
     cap = index.keys.shape[0]
     k = min(cfg.top_k, cap)
-    s = index.keys.astype(jnp.float32) @ jnp.mean(q.astype(jnp.float32), axis=0)
+    s = jnp.matmul(index.keys.astype(jnp.float32), jnp.mean(q.astype(jnp.float32), axis=0), precision=common.FULL_F32)
     valid = jnp.arange(cap) < index.n
     top_s, idx = jax.lax.top_k(jnp.where(valid, s, -jnp.inf), k)
     return Selection(idx=idx.astype(jnp.int32), mask=top_s > -jnp.inf)
