@@ -142,22 +142,25 @@ def _flat_rows(b: int, h: int, cap: int, idx):
     return (base.reshape(b, h, *([1] * (idx.ndim - 2))) + idx).reshape(-1)
 
 
-def host_take(store, flat_idx):
-    """store[flat_idx] (along axis 0) for a store in host memory.
+def host_take(store, flat_idx, shape=None):
+    """store[flat_idx] (along axis 0) for a store in host memory, reshaped to `shape`
+    (default: as taken), on the device.
 
     Host memory cannot be read by device kernels in JAX: the gather runs on the
-    host side (every operand in host memory) and only the taken rows move.
+    host side (every operand in host memory) and only the taken rows move. They
+    are reshaped before they move: on a GPU (jax 0.11.2), a reshape of the moved
+    rows fails to compile ("Bitcast cannot have different memory spaces").
     """
     rows = store.at[jax.device_put(flat_idx, HOST)].get(mode="promise_in_bounds")
-    return jax.device_put(rows, DEVICE)
+    return jax.device_put(rows if shape is None else rows.reshape(shape), DEVICE)
 
 
 def gather_rows(store, idx, ccfg):
     """store [B, H, cap, hd] (host or device), idx [B, H, C] → rows [B, H, C, hd] on the device."""
     b, h, cap, hd = store.shape
     flat, flat_idx = store.reshape(b * h * cap, hd), _flat_rows(b, h, cap, idx)
-    rows = host_take(flat, flat_idx) if ccfg.offload else flat[flat_idx]
-    return rows.reshape(*idx.shape, hd)
+    shape = (*idx.shape, hd)
+    return host_take(flat, flat_idx, shape) if ccfg.offload else flat[flat_idx].reshape(shape)
 
 
 def _host_index_take(array, flat_idx):
