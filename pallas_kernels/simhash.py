@@ -42,26 +42,38 @@ def simhash_reference(x: jax.Array, proj: jax.Array, *, n_bits: int) -> jax.Arra
     return jnp.sum(bits * weights, axis=-1).astype(jnp.uint16)
 
 
-def _simhash_kernel(x_ref, proj_ref, pack_ref, codes_ref):
-    p = plgpu.dot(x_ref[...].astype(jnp.float32), proj_ref[...], precision=lax.Precision.HIGHEST)
-    bits = (p > 0).astype(jnp.float32)
-    # bits · pack sums 2^j over set bits: exact in float32 (integers < 2^16).
-    codes = plgpu.dot(bits, pack_ref[...], precision=lax.Precision.HIGHEST)
+def _simhash_kernel(x_ref, proj_ref, pack_ref, codes_ref, *, precision):
+    p = plgpu.dot(x_ref[...].astype(jnp.float32), proj_ref[...], precision=precision)
+    bits = (p > 0).astype(jnp.bfloat16)
+    # bits · pack sums 2^j over set bits: exact with bfloat16 inputs (0, 1 and
+    # powers of two) and float32 accumulation (integers < 2^16), on tensor cores.
+    codes = plgpu.dot(bits, pack_ref[...])
     codes_ref[...] = codes.astype(jnp.int32)
+
+
+def _projection_precision(interpret: bool):
+    """Three TF32 passes on a GPU: float32 accuracy (per product ≈ 4 eps, within the
+    rounding bound the tests allow) on tensor cores. On an H200 at 64k keys × 150
+    tables, 8.0 ms against 62 ms for IEEE float32 (HIGHEST). The CPU's dot, which
+    interpret mode runs, has no TF32: there it is plain float32."""
+    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 def _pack_matrix(tables_per_block: int) -> np.ndarray:
     """[tables·16, tables] with 2^j at (l·16 + j, l): turns a block of sign bits into codes."""
-    pack = np.zeros((tables_per_block * _BITS_PER_TABLE, tables_per_block), np.float32)
+    pack = np.zeros((tables_per_block * _BITS_PER_TABLE, tables_per_block), jnp.bfloat16)
     for l in range(tables_per_block):
         pack[l * _BITS_PER_TABLE:(l + 1) * _BITS_PER_TABLE, l] = 2.0 ** np.arange(_BITS_PER_TABLE)
     return pack
 
 
 @functools.partial(jax.jit, static_argnames=("n_bits", "block_rows", "tables_per_block", "interpret"))
-def simhash(x: jax.Array, proj: jax.Array, *, n_bits: int, block_rows: int = 64,
-            tables_per_block: int = 16, interpret: bool = False) -> jax.Array:
-    """Pallas kernel for :func:`simhash_reference`: codes uint16 [N, L]."""
+def simhash(x: jax.Array, proj: jax.Array, *, n_bits: int, block_rows: int = 128,
+            tables_per_block: int = 8, interpret: bool = False) -> jax.Array:
+    """Pallas kernel for :func:`simhash_reference`: codes uint16 [N, L].
+
+    Blocks of 128 rows × 8 tables: on an H200 at 64k keys, 8.0 ms, against
+    8.7 ms for 64 × 8 and 61 ms for 32 × 8; 16 tables overflow shared memory."""
     _check(x, proj, n_bits)
     n, d = x.shape
     n_tables = proj.shape[1] // n_bits
@@ -76,7 +88,7 @@ def simhash(x: jax.Array, proj: jax.Array, *, n_bits: int, block_rows: int = 64,
     block_cols = tables_per_block * _BITS_PER_TABLE
 
     codes = _common.pallas_call(
-        _simhash_kernel,
+        functools.partial(_simhash_kernel, precision=_projection_precision(interpret)),
         grid=(n_pad // block_rows, l_pad // tables_per_block),
         in_specs=[
             pl.BlockSpec((block_rows, d_pad), lambda i, j: (i, 0)),
