@@ -7,11 +7,14 @@ in one run: compare within a column, not across machines). Run by gpu_check.sh.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import platform
 import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -102,12 +105,15 @@ def main() -> int:
     parser.add_argument("--sizes", default="32768,131072,524288")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--interpret", action="store_true", help="dry run of this script on CPU")
+    parser.add_argument("--json", help="also write the rows here (after every size: a partial run still reports)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"jax {jax.__version__} on {jax.devices()[0]}; {HEADS} KV heads × {DIM}, GQA {GROUP}, bf16 K/V; "
           f"median of {args.repeats} runs, ms")
     print(f"{'N':>7}  {'step':<28} {'kernel':>9} {'XLA':>9} {'XLA/kernel':>10} {'dense':>9}")
     failures = 0
+    report = {"jax": jax.__version__, "device": str(jax.devices()[0]), "python": platform.python_version(),
+              "shape": {"kv_heads": HEADS, "group": GROUP, "head_dim": DIM}, "repeats": args.repeats, "rows": []}
     for n in sizes:
         x = inputs(n, jax.random.key(n))
         dense_ms = median_ms(jax.jit(dense_attention), x["q"], x["k"], x["v"], repeats=args.repeats)
@@ -117,11 +123,15 @@ def main() -> int:
                 r_ms = median_ms(reference, *call_args, repeats=args.repeats)
                 print(f"{n:>7}  {name:<28} {k_ms:>9.3f} {r_ms:>9.3f} {r_ms / k_ms:>10.2f} {dense_ms:>9.3f}",
                       flush=True)
+                report["rows"].append({"n": n, "step": name, "kernel_ms": k_ms, "xla_ms": r_ms, "dense_ms": dense_ms})
             except Exception:  # report every failing kernel, then fail the run
                 failures += 1
                 print(f"{n:>7}  {name:<28} FAILED", flush=True)
                 traceback.print_exc()
+                report["rows"].append({"n": n, "step": name, "failed": traceback.format_exc(limit=3)})
         del x
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
     if failures:
         print(f"gpu_check: {failures} timing(s) failed", file=sys.stderr)
     return 1 if failures else 0
