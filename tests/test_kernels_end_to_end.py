@@ -1,9 +1,9 @@
 """The Pallas kernels wired into the methods and generate(): same results as the XLA path.
 
-``kernels="interpret"`` runs every kernel in Pallas interpret mode (how the
-kernels are exercised on CPU); ``kernels="xla"`` is the path the methods always
-had. Integer outputs (hash codes, candidate and sample ids) must agree exactly;
-float outputs differ only by float32 summation order.
+The kernel path is ``kernels="interpret"`` off a GPU (every kernel in Pallas
+interpret mode) and ``kernels="pallas"`` (compiled) on one; ``kernels="xla"`` is
+the path the methods always had. Integer outputs (hash codes, candidate and sample
+ids) must agree exactly; float outputs differ only by float32 summation order.
 """
 import dataclasses
 import functools
@@ -18,7 +18,7 @@ from jaxkv import cache as kvcache
 from jaxkv.attention import magicpig, pariskv
 from jaxkv.cache import CacheConfig
 from models.params import init_params
-from pallas_kernels.testing import lower_for_cuda, triton_kernels
+from pallas_kernels.testing import INTERPRET, lower_for_cuda, triton_kernels
 from tests.test_generate import CONFIG, _prompts
 
 # Small enough that interpret mode stays fast; K·L bits and B subspaces still > 1.
@@ -27,6 +27,9 @@ MAGICPIG = magicpig.MagicPIGConfig(K=4, L=8, sink=2, local=4, dense_layers=(), c
 PARISKV = pariskv.ParisKVConfig(m=4, top_k=12, sink=2, local=4, buffer=3)
 # float32 scores over d = 16 summed in another order: relative error ~ d·eps ≈ 2e-6.
 SCORE_RTOL = 1e-5
+# Interpret mode on a GPU runs each grid step as separate device ops: far slower than
+# the compiled kernels there, and not what a GPU user runs.
+KERNELS = "interpret" if INTERPRET else "pallas"
 
 
 def _with(cfg, kernels):
@@ -55,7 +58,7 @@ def test_kernels_field_is_validated_and_defaults_to_auto(cls):
 def test_magicpig_hash_codes_equal_the_xla_path():
     keys, projection = _keys(0, 150), _keys(1, MAGICPIG.K * MAGICPIG.L).T
     xla = magicpig.hash_codes(_with(MAGICPIG, "xla"), projection, keys)
-    kernel = magicpig.hash_codes(_with(MAGICPIG, "interpret"), projection, keys)
+    kernel = magicpig.hash_codes(_with(MAGICPIG, KERNELS), projection, keys)
     # Integer codes: exact, since no projection is within the float32 rounding bound
     # of a length-d dot product (d·eps·Σ|x_i r_i|) of 0, where summation order could flip a bit.
     x64, r64 = np.asarray(keys, np.float64), np.asarray(projection, np.float64)
@@ -74,7 +77,7 @@ def test_magicpig_selection_equals_the_xla_path():
     index = magicpig.insert(xla_cfg, index, _keys(4, 5), 5)
     q = _keys(5, 3)
     xla = magicpig.select_with_stats(xla_cfg, index, q)
-    kernel = magicpig.select_with_stats(_with(base, "interpret"), index, q)
+    kernel = magicpig.select_with_stats(_with(base, KERNELS), index, q)
     # Sampled ids, per-head masks, tables read and counts are integers: exact.
     for a, b in zip(jax.tree.leaves(xla), jax.tree.leaves(kernel)):
         np.testing.assert_array_equal(a, b)
@@ -82,7 +85,7 @@ def test_magicpig_selection_equals_the_xla_path():
     assert np.all(stats.n_sampled > 0)  # the comparison covers real samples
     assert np.any(stats.tables_used < base.L) and np.any(stats.tables_used == base.L)
     assert bool(stats.truncated)
-    cfg = _with(base, "interpret")
+    cfg = _with(base, KERNELS)
     jaxpr = _jaxpr_text(lambda q: magicpig.select(cfg, index, q), q)
     assert all(name in jaxpr for name in ("simhash", "collide_count", "compact"))
 
@@ -99,13 +102,13 @@ def test_pariskv_candidates_rerank_and_selection_equal_the_xla_path(n):
     index = pariskv.build(PARISKV, _keys(6, 200), jnp.int32(n))
     q = _keys(7, 2)
     cand_x, score_x, sel_x = _pariskv_steps(_with(PARISKV, "xla"), index, q)
-    cand_k, score_k, sel_k = _pariskv_steps(_with(PARISKV, "interpret"), index, q)
+    cand_k, score_k, sel_k = _pariskv_steps(_with(PARISKV, KERNELS), index, q)
     np.testing.assert_array_equal(cand_x, cand_k)  # same rows in ascending order
     np.testing.assert_allclose(score_k, score_x, rtol=SCORE_RTOL, atol=SCORE_RTOL * np.abs(score_x).max())
     np.testing.assert_array_equal(sel_x.idx, sel_k.idx)
     np.testing.assert_array_equal(sel_x.mask, sel_k.mask)
     assert int(sel_x.mask.sum()) == min(n, PARISKV.top_k)
-    jaxpr = _jaxpr_text(lambda q: _pariskv_steps(_with(PARISKV, "interpret"), index, q), q)
+    jaxpr = _jaxpr_text(lambda q: _pariskv_steps(_with(PARISKV, KERNELS), index, q), q)
     assert all(name in jaxpr for name in ("vote_totals", "compact", "rsq_rerank"))
 
 
@@ -154,7 +157,7 @@ def one_layer():
 
 @pytest.mark.slow  # ~50 s per method here: generate's decode loop compiles on both paths
 @pytest.mark.parametrize("method, mcfg", [("magicpig", MAGICPIG), ("pariskv", PARISKV)])
-def test_generate_with_interpreted_kernels_gives_the_xla_tokens(one_layer, method, mcfg):
+def test_generate_with_the_kernels_gives_the_xla_tokens(one_layer, method, mcfg):
     """The layer is sparse, with no dense fallback and the retrieval region on the device
     (so the gather-attention kernel runs too); a 30-token prompt leaves 24 keys in
     retrieval and 9 decode steps flush the buffer (U = 3) into the index three times."""
@@ -162,10 +165,10 @@ def test_generate_with_interpreted_kernels_gives_the_xla_tokens(one_layer, metho
     prompt = _prompts([30], seed=11)
     cache = CacheConfig(sink=2, local=4, buffer=3, dense_threshold=0, offload=False)
     tokens = {}
-    for kernels in ("xla", "interpret"):
+    for kernels in ("xla", KERNELS):
         out = jaxkv.generate(params, config, prompt, max_new_tokens=9, eos_ids=(), method=method,
                              method_config=_with(mcfg, kernels), cache_config=cache)
         tokens[kernels] = out.tokens, out.keys_read_fraction
     # Same tokens, and the same keys read at every step (counts from integer selections).
-    assert tokens["interpret"] == tokens["xla"]
+    assert tokens[KERNELS] == tokens["xla"]
     assert len(tokens["xla"][0][0]) == 9
