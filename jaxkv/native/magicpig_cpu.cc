@@ -256,10 +256,14 @@ struct CollisionLogProb {
     }
   }
 
-  static __m512 log1mexp(__m512 x) {  // log(1 - e^x), x <= 0
+  // log(1 - e^x), x <= 0, in the lanes of `wanted` (others are left 0). A branch is
+  // evaluated only when a wanted lane takes it: the vector calls are most of this cost.
+  static __m512 log1mexp(__m512 x, __mmask16 wanted) {
     const __mmask16 near_zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-0.6931472f), _CMP_GT_OQ);
-    const __m512 far = _ZGVeN16v_log1pf(-_ZGVeN16v_expf(x));
-    return _mm512_mask_blend_ps(near_zero, far, _ZGVeN16v_logf(-_ZGVeN16v_expm1f(x)));
+    __m512 out = _mm512_setzero_ps();
+    if (wanted & ~near_zero) out = _ZGVeN16v_log1pf(-_ZGVeN16v_expf(x));
+    if (wanted & near_zero) out = _mm512_mask_blend_ps(near_zero, out, _ZGVeN16v_logf(-_ZGVeN16v_expm1f(x)));
+    return out;
   }
 
   __m512 term(int j, __m512 log_hit, __m512 log_miss) const {  // log C(L, j) P^j (1 - P)^(L - j)
@@ -272,7 +276,7 @@ struct CollisionLogProb {
   __m512 operator()(__m512 cosine) const {
     const __m512 c = _mm512_min_ps(_mm512_max_ps(cosine, _mm512_set1_ps(-1.0f)), _mm512_set1_ps(1.0f));
     const __m512 log_hit = k_bits * _ZGVeN16v_log1pf(-_ZGVeN16v_acosf(c) / 3.14159265358979f);
-    const __m512 log_miss = log1mexp(log_hit);
+    const __m512 log_miss = log1mexp(log_hit, 0xFFFF);
     const __m512 odds =
         _ZGVeN16v_expf(_mm512_min_ps(log_hit - log_miss, _mm512_set1_ps(std::log(static_cast<float>(min_hits + 1)))));
     const __m512 first_ratio = std::max(n_tables - min_hits, 0.0f) / (min_hits + 1) * odds;
@@ -280,21 +284,29 @@ struct CollisionLogProb {
     // ratio's, <= 1/2 where this branch is kept): once every kept lane's ratio is below
     // 2^-25, later ones are under half an ulp of total (>= 1) and would leave it as it is.
     const __mmask16 tail_lanes = _mm512_cmp_ps_mask(first_ratio, _mm512_set1_ps(0.5f), _CMP_LE_OQ);
-    __m512 ratio = first_ratio, total = 1.0f + first_ratio;
-    for (int j = min_hits + 1; j < min_hits + tail_terms - 1; ++j) {
-      if (!_mm512_mask_cmp_ps_mask(tail_lanes, ratio, _mm512_set1_ps(0x1p-25f), _CMP_GE_OQ)) break;
-      ratio = ratio * (std::max(n_tables - j, 0.0f) / (j + 1)) * odds;
-      total = total + ratio;
+    // Each branch only when some lane keeps it (lanes do not mix: the kept values are
+    // those of evaluating both).
+    __m512 tail = _mm512_setzero_ps(), complement = _mm512_setzero_ps();
+    if (tail_lanes) {
+      __m512 ratio = first_ratio, total = 1.0f + first_ratio;
+      for (int j = min_hits + 1; j < min_hits + tail_terms - 1; ++j) {
+        if (!_mm512_mask_cmp_ps_mask(tail_lanes, ratio, _mm512_set1_ps(0x1p-25f), _CMP_GE_OQ)) break;
+        ratio = ratio * (std::max(n_tables - j, 0.0f) / (j + 1)) * odds;
+        total = total + ratio;
+      }
+      tail = term(min_hits, log_hit, log_miss) + _ZGVeN16v_logf(total);
     }
-    const __m512 tail = term(min_hits, log_hit, log_miss) + _ZGVeN16v_logf(total);
-    // One minus the lower tail.
-    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int j = 0; j < min_hits; ++j) top = _mm512_max_ps(top, term(j, log_hit, log_miss));
-    const __mmask16 finite = _mm512_cmp_ps_mask(top, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
-    top = _mm512_maskz_mov_ps(finite, top);
-    __m512 sum = _mm512_setzero_ps();
-    for (int j = 0; j < min_hits; ++j) sum = sum + _ZGVeN16v_expf(term(j, log_hit, log_miss) - top);
-    const __m512 complement = log1mexp(_mm512_min_ps(top + _ZGVeN16v_logf(sum), _mm512_setzero_ps()));
+    const __mmask16 complement_lanes = static_cast<__mmask16>(~tail_lanes);
+    if (complement_lanes) {  // one minus the lower tail
+      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int j = 0; j < min_hits; ++j) top = _mm512_max_ps(top, term(j, log_hit, log_miss));
+      const __mmask16 finite =
+          _mm512_cmp_ps_mask(top, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
+      top = _mm512_maskz_mov_ps(finite, top);
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < min_hits; ++j) sum = sum + _ZGVeN16v_expf(term(j, log_hit, log_miss) - top);
+      complement = log1mexp(_mm512_min_ps(top + _ZGVeN16v_logf(sum), _mm512_setzero_ps()), complement_lanes);
+    }
     return _mm512_min_ps(_mm512_mask_blend_ps(tail_lanes, complement, tail), _mm512_setzero_ps());
   }
 };
