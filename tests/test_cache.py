@@ -83,6 +83,19 @@ def test_retrieval_region_lives_in_pinned_host_memory():
         np.testing.assert_array_equal(np.asarray(k[b, :, :n]), full_k[b, :n].swapaxes(0, 1))
 
 
+
+def test_offloaded_rows_move_to_the_device_in_their_final_shape():
+    """On a GPU, XLA (jax 0.11.2) failed to compile a reshape of rows moved from pinned_host
+    ("Bitcast cannot have different memory spaces"; docs/results/gpu.md): gather_rows
+    reshapes them in host memory, so the move is its last step."""
+    store = jax.device_put(np.zeros((1, 2, 16, 4), np.float32), kvcache.HOST)
+    idx = np.zeros((1, 2, 3), np.int32)
+    ccfg = kvcache.CacheConfig(offload=True)
+    jaxpr = jax.make_jaxpr(lambda s, i: kvcache.gather_rows(s, i, ccfg))(store, idx).jaxpr
+    move = jaxpr.eqns[-1]
+    assert move.primitive.name == "device_put" and move.outvars == jaxpr.outvars
+    assert move.invars[0].aval.shape == (1, 2, 3, 4)
+
 # The second case's short row attends while its token goes to the sink (position 1 < S).
 @pytest.mark.parametrize("lengths, steps", [([30, 17], 6), ([25, 1], 0)])
 def test_region_attention_reading_everything_equals_dense(lengths, steps):
