@@ -25,7 +25,8 @@ def _ambiguous_tables(x, proj, n_bits):
     """[N, L] True where some projection is so close to 0 that float32 rounding in a
     different summation order may flip its sign: |x·r| ≤ d·eps·Σ|x_i r_i| (the
     standard bound on the rounding error of a length-d dot product). The compiled
-    kernel's three-pass TF32 product errs by ≈ 4 eps per term, within the bound."""
+    kernel's three-pass TF32 product errs by at most ≈ 6 eps per term (the split's
+    rounding and the dropped low × low products, 2^-22 each), within the bound."""
     x64, r64 = x.astype(np.float64), proj.astype(np.float64)
     bound = x.shape[1] * EPS32 * (np.abs(x64) @ np.abs(r64))
     close = np.abs(x64 @ r64) <= bound
