@@ -83,7 +83,6 @@ def test_retrieval_region_lives_in_pinned_host_memory():
         np.testing.assert_array_equal(np.asarray(k[b, :, :n]), full_k[b, :n].swapaxes(0, 1))
 
 
-
 def test_offloaded_rows_move_to_the_device_in_their_final_shape():
     """On a GPU, XLA (jax 0.11.2) failed to compile a reshape of rows moved from pinned_host
     ("Bitcast cannot have different memory spaces"; docs/results/gpu.md): gather_rows
@@ -95,6 +94,7 @@ def test_offloaded_rows_move_to_the_device_in_their_final_shape():
     move = jaxpr.eqns[-1]
     assert move.primitive.name == "device_put" and move.outvars == jaxpr.outvars
     assert move.invars[0].aval.shape == (1, 2, 3, 4)
+
 
 # The second case's short row attends while its token goes to the sink (position 1 < S).
 @pytest.mark.parametrize("lengths, steps", [([30, 17], 6), ([25, 1], 0)])

@@ -128,7 +128,8 @@ def _sample_mean(w, v, budget, key, count, max_draws):
     idx = jnp.minimum(jax.vmap(lambda c, x: jnp.searchsorted(c, x, side="right"))(cdf, u), n - 1)
     live = (jnp.arange(max_draws)[None, :] < draws[:, None]).astype(jnp.float32)
     counts = jnp.zeros((g, n), jnp.float32).at[jnp.arange(g)[:, None], idx].add(live)
-    mean = jnp.einsum("gn,nd->gd", counts, v.astype(jnp.float32), precision=common.FULL_F32) / jnp.maximum(draws, 1)[:, None]
+    drawn_sum = jnp.einsum("gn,nd->gd", counts, v.astype(jnp.float32), precision=common.FULL_F32)
+    mean = drawn_sum / jnp.maximum(draws, 1)[:, None]
     return mean, counts > 0
 
 
