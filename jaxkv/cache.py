@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import models
+from jaxkv import native
 from jaxkv.attention import common
 from pallas_kernels import dispatch
 
@@ -359,16 +360,37 @@ def _region_partial(q, keys, values, length, start=None):
     return over_batch_heads(common.partial_attention)(q, keys, values, mask)
 
 
-def _exact_partial(q, state: RegionKV):
+def _window_partial_in_place(q, state: RegionKV) -> common.Partial:
+    """The window's partial by ``jaxkv.native.attend_rows``: its rows in position order,
+    read where they lie, up to the last one in use.
+
+    XLA's product of q with the [W + U, hd] rows repacked (transposed) every row
+    of every window on every step, in use or not.
+    """
+    w = state.win_k.shape[2]
+    slots = _window_slots(state, jnp.zeros_like(state.win_start), w)
+    live = jnp.arange(w)[None, :] < state.win_len[:, None]
+    b, h, g = q.shape[:3]
+    o, l, m = native.attend_rows(q, state.win_k, state.win_v, jnp.broadcast_to(slots[:, None], (b, h, w)),
+                                 jnp.broadcast_to(live[:, None, None], (b, h, g, w)),
+                                 masked_score=common.MASKED_SCORE)
+    return common.Partial(o=o, l=l, m=m)
+
+
+def _exact_partial(q, state: RegionKV, *, method, mcfg):
     """Partials over the sink and the window, which hold this step's token already.
 
     Each region is attended where it lies, after the token's write: read before
     its write, a window (a while-loop carry) was copied twice per step by XLA
     (into a temporary, then back for the in-place write); concatenating the
-    regions copied them too.
+    regions copied them too. A method config that attends its selection in place
+    (the CPU kernels) attends the window that way too.
     """
     sink = _region_partial(q, state.sink_k, state.sink_v, state.sink_len)
-    window = _region_partial(q, state.win_k, state.win_v, state.win_len, state.win_start)
+    if attends_in_place(method, mcfg, state.win_k):
+        window = _window_partial_in_place(q, state)
+    else:
+        window = _region_partial(q, state.win_k, state.win_v, state.win_len, state.win_start)
     return over_batch_heads(common.merge)(sink, window)
 
 
@@ -487,7 +509,7 @@ def region_attention(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg:
     pos = positions[:, 0]
     qg = q[:, 0].reshape(b, hkv, hq // hkv, hd)
     state = _write_token(_flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg), k[:, 0], v[:, 0], pos, ccfg)
-    exact = _exact_partial(qg, state)
+    exact = _exact_partial(qg, state, method=method, mcfg=mcfg)
     context = pos + 1
     short = jnp.any(context < ccfg.dense_threshold)
     if batch_axis is not None:

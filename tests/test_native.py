@@ -180,6 +180,28 @@ def test_native_pariskv_attends_its_rows_in_place(d, top_k, n):
     _assert_attends_in_place(functools.partial(pariskv.attend_in_place, cfg), index, q, keys, values, sel, want)
 
 
+# The window is a ring of W + U = 300 slots (two of the kernel's 256-slot blocks): full,
+# wrapped at slot 7, partly filled and wrapped (its unused slots hold keys that must not
+# count), and holding one row.
+@pytest.mark.parametrize("win_start, win_len", [(0, 300), (7, 300), (250, 120), (299, 1)])
+def test_native_window_partial_is_the_xla_partial(win_start, win_len):
+    b, h, d, prompt = 2, 3, 64, 700
+    mcfg = dataclasses.replace(CFG, sink=4, local=200)
+    ccfg = CacheConfig(sink=4, local=200, buffer=100, dense_threshold=0).resolve(mcfg)
+    keys = _keys(30, (b, h, prompt, d))
+    state = kvcache.regions_from_prefill(keys, _keys(31, keys.shape), jnp.full((b,), prompt, jnp.int32),
+                                         method=pariskv, mcfg=mcfg, ccfg=ccfg, capacity=prompt,
+                                         key=jax.random.key(0))
+    state = dataclasses.replace(state, win_start=jnp.full((b,), win_start, jnp.int32),
+                                win_len=jnp.full((b,), win_len, jnp.int32))
+    q = _keys(32, (b, h, 3, d)) * 0.3
+    assert kvcache.attends_in_place(pariskv, mcfg, state.win_k)
+    exact = jax.jit(kvcache._exact_partial, static_argnames=("method", "mcfg"))
+    got = exact(q, state, method=pariskv, mcfg=mcfg)
+    want = exact(q, state, method=pariskv, mcfg=dataclasses.replace(mcfg, kernels="xla"))
+    _assert_partials_close(got, want)
+
+
 def test_native_mode_is_validated():
     assert CFG.uses_native() and not CFG.uses_kernels()
     assert not pariskv.ParisKVConfig().uses_native()
