@@ -1,12 +1,14 @@
 """Decode speed vs context length on SmolLM2: dense vs sparse methods, one run.
 
-    python benchmarks/bench_decode.py [--contexts 2048 4096 8000] [--new-tokens 32] [--out results/bench_decode.json]
-                                      [--no-transformers] [--native]
+    python benchmarks/bench_decode.py [--contexts 2048 4096 8000] [--new-tokens 32] [--rounds 3]
+                                      [--out results/bench_decode.json] [--no-transformers] [--native]
 
 For each context one prompt (real Wikipedia text) is prefilled once and shared
-by every method; each method then decodes `new-tokens` tokens twice — the first
-call compiles, the second is timed. The weights are split per layer once after
-loading (models.unstack_layers), so no call copies them. The dense fallback is
+by every method; each method decodes `new-tokens` tokens once to compile, then
+`rounds` times, the methods taking turns within each round (a slow minute of this
+shared machine then slows every method, not one): tokens/s is the median over
+the rounds, with the slowest and fastest next to it. The weights are split per
+layer once after loading (models.unstack_layers), so no call copies them. The dense fallback is
 disabled so the sparse paths really run; ParisKV and MagicPIG use their default settings
 (MagicPIG keeps layers 0 and 16 dense). Reports tokens/s, the ratio to dense in
 the same run and the fraction of keys each method read.
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 
 def methods(native: bool = False) -> dict:
@@ -69,11 +72,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8000])
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="timed decodes per method, taken in turns")
     parser.add_argument("--out", default="results/bench_decode.json")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers reference row")
     parser.add_argument("--native", action="store_true",
                         help="add rows for MagicPIG and ParisKV with kernels='native' (jaxkv.native's CPU kernels)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
 
     import jaxkv
     import models
@@ -90,19 +96,27 @@ def main(argv=None):
         _, ids = text.long_text(tokenizer, n)
         ids = list(ids[:n])
         shared = jaxkv.prefill_prompts(params, config, [ids], capacity=n + args.new_tokens)
-        for name, (method, mcfg) in methods(args.native).items():
+
+        def decode(method, mcfg):
             kwargs = {} if mcfg is None else dict(method=method, method_config=mcfg,
                                                    cache_config=CacheConfig(dense_threshold=0))
-            run = lambda: jaxkv.generate(params, config, None, max_new_tokens=args.new_tokens, eos_ids=(),
-                                         prefilled=shared, **kwargs)
-            run()  # compile
-            out = run()
+            return jaxkv.generate(params, config, None, max_new_tokens=args.new_tokens, eos_ids=(),
+                                  prefilled=shared, **kwargs)
+
+        runs = methods(args.native)
+        last = {name: decode(*spec) for name, spec in runs.items()}  # compile
+        speeds = {name: [] for name in runs}
+        for _ in range(args.rounds):
+            for name, spec in runs.items():
+                last[name] = decode(*spec)
+                speeds[name].append(last[name].decode_tokens_per_second)
+        for name, out in last.items():
             read = out.keys_read_fraction[0] if out.keys_read_fraction else 1.0
-            rows.append({"context": n, "method": name, "decode_tok_s": out.decode_tokens_per_second,
-                         "keys_read_fraction": read})
-            print(f"context {n} {name}: {out.decode_tokens_per_second:.2f} tok/s, read {read:.1%}", flush=True)
-            if name == "dense":
-                dense_tokens = out.tokens[0]
+            rows.append({"context": n, "method": name, "decode_tok_s": float(np.median(speeds[name])),
+                         "rounds_tok_s": speeds[name], "keys_read_fraction": read})
+            print(f"context {n} {name}: {np.median(speeds[name]):.2f} tok/s (rounds {min(speeds[name]):.2f}–"
+                  f"{max(speeds[name]):.2f}), read {read:.1%}", flush=True)
+        dense_tokens = last["dense"].tokens[0]
         if not args.no_transformers:
             ref = transformers_decode(ids, args.new_tokens)
             rows.append({"context": n, "method": "transformers", "decode_tok_s": ref["decode_tok_s"],
@@ -119,7 +133,7 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(["python", *sys.argv]), "machine": platform.machine(), "jax": jax.__version__,
-            "new_tokens": args.new_tokens}
+            "new_tokens": args.new_tokens, "rounds": args.rounds}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {out}")
 
