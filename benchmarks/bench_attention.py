@@ -189,33 +189,33 @@ class _NoIndex:
     """A method with no index, for regions_from_prefill: MagicPIG's is built separately, a head at a time."""
 
     @staticmethod
-    def build(cfg, keys, n, key):
+    def build(cfg, keys, n, key=None):
         return ()
 
 
 @functools.partial(jax.jit, static_argnames=("method", "mcfg", "ccfg", "capacity"))
-def _regions(staging_k, staging_v, lengths, key, *, method, mcfg, ccfg, capacity):
+def _regions(staging_k, staging_v, lengths, *, method, mcfg, ccfg, capacity):
     return kvcache.regions_from_prefill(staging_k, staging_v, lengths, method=method, mcfg=mcfg,
-                                        ccfg=ccfg, capacity=capacity, key=key)
+                                        ccfg=ccfg, capacity=capacity)
 
 
-def magicpig_index(cfg, retr_k, n: int, key):
+def magicpig_index(cfg, retr_k, n: int):
     """Index of one layer, [1, H] leading axes, built one KV head at a time (μ over all n keys)."""
-    heads = [jax.block_until_ready(magicpig.build(cfg, jax.device_put(retr_k[0, h], kvcache.DEVICE), n, key))
+    heads = [jax.block_until_ready(magicpig.build(cfg, jax.device_put(retr_k[0, h], kvcache.DEVICE), n))
              for h in range(retr_k.shape[1])]
     return jax.tree.map(lambda *x: jnp.stack(x)[None], *heads)
 
 
-def region_state(method, mcfg, staging_k, staging_v, n: int, key):
+def region_state(method, mcfg, staging_k, staging_v, n: int):
     """The RegionKV generate() would hold after prefilling n tokens, and its CacheConfig."""
     ccfg = kvcache.CacheConfig(dense_threshold=0).resolve(mcfg)
     capacity = n - ccfg.sink - ccfg.local + ccfg.buffer
     lengths = jnp.full((1,), n, jnp.int32)
     build_here = method is not magicpig
-    state = _regions(staging_k, staging_v, lengths, key, method=method if build_here else _NoIndex,
+    state = _regions(staging_k, staging_v, lengths, method=method if build_here else _NoIndex,
                      mcfg=mcfg, ccfg=ccfg, capacity=capacity)
     if not build_here:
-        index = magicpig_index(mcfg, state.retr_k, int(state.retr_len[0]), key)
+        index = magicpig_index(mcfg, state.retr_k, int(state.retr_len[0]))
         state = dataclasses.replace(state, index=kvcache.place_index(index, method, mcfg, ccfg, host=True))
     return jax.block_until_ready(state), ccfg
 
@@ -339,7 +339,7 @@ def pariskv_select_stages(index, cfg, qg, repeats) -> dict:
 def magicpig_entries_read(cfg, index, qg) -> float:
     """Inverted-index entries a step reads per KV head: Σ over query heads of min(bucket sizes summed over tables, cap)."""
     def per_head(ix, qq):
-        codes = magicpig.hash_codes(cfg, ix.projection, qq).astype(jnp.int32)  # [G, L]
+        codes = magicpig.hash_codes(cfg, magicpig.hyperplanes(cfg, ix), qq).astype(jnp.int32)  # [G, L]
         tables = jnp.arange(cfg.L)[None, :]
         sizes = ix.bucket_starts[tables, codes + 1] - ix.bucket_starts[tables, codes]
         return jnp.sum(jnp.minimum(jnp.cumsum(sizes, axis=-1), cfg.candidate_entries(ix.sorted_ids.shape[-1]))
@@ -360,9 +360,11 @@ def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entrie
         per_head = {"select": n * b + pariskv.n_candidates(mcfg, cap) * per_candidate,
                     "gather": sel_rows * row, "exact": exact}
     else:
-        per_head = {"select": entries * 4 + d * mcfg.K * mcfg.L * 4,  # bucket ids read + the projection
-                    "gather": sel_rows * row, "exact": exact}
-    return {stage: value * h for stage, value in per_head.items()}
+        per_head = {"select": entries * 4, "gather": sel_rows * row, "exact": exact}  # select: bucket ids read
+    total = {stage: value * h for stage, value in per_head.items()}
+    if method is magicpig:
+        total["select"] += d * mcfg.K * mcfg.L * 4  # the projection: one for every head (and layer)
+    return total
 
 
 def memory_needed(shape: Shape, n: int, names) -> int:
@@ -383,7 +385,7 @@ def memory_available() -> int:
     return sys.maxsize
 
 
-def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, key, names) -> list[dict]:
+def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, names) -> list[dict]:
     """All methods at one (shape, N): dense first, then each sparse method; arrays freed between."""
     rng = np.random.default_rng(0)
     staging_k, staging_v = synthetic_keys.synthesise(stats, n)
@@ -396,7 +398,7 @@ def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, k
     print(f"  {shape.name} N={n} dense {dense['median_s'] * 1e3:.1f} ms", flush=True)
     for label, method, mcfg in (METHODS[name] for name in names):
         t0 = time.perf_counter()
-        state, ccfg = region_state(method, mcfg, staging_k, staging_v, n, key)
+        state, ccfg = region_state(method, mcfg, staging_k, staging_v, n)
         build_s = time.perf_counter() - t0
         stages, sel = sparse_stages(state, ccfg, method, mcfg, qg, timing.repeats)
         sel_rows = float(jnp.mean(kvcache.over_batch_heads(lambda s: s.distinct_rows())(sel)))
@@ -529,7 +531,6 @@ def main(argv=None) -> int:
     bandwidth = memory_bandwidth(args.repeats)
     print(f"bandwidth: read {bandwidth['read_Bps'] / 1e9:.1f} GB/s, copy {bandwidth['copy_Bps'] / 1e9:.1f} GB/s")
     rows, skipped = [], []
-    key = jax.random.key(0)
     meta = {"command": " ".join(["python", *sys.argv]), "jax": jax.__version__,
             "machine": f"{platform.machine()}, {jax.devices()[0].platform}", "repeats": args.repeats,
             "loop_steps": args.loop_steps}
@@ -544,7 +545,7 @@ def main(argv=None) -> int:
                                f"{available / GiB:.1f} GiB available on the shared machine")
                 print("  skipped", skipped[-1], flush=True)
                 continue
-            rows += bench_config(shape, n, stats, Timing(args.repeats, args.loop_steps), bandwidth, key, args.methods)
+            rows += bench_config(shape, n, stats, Timing(args.repeats, args.loop_steps), bandwidth, args.methods)
             gc.collect()
             write_results(out, rows, skipped, bandwidth, meta)  # after every size: a partial run still reports
     write_results(out, rows, skipped, bandwidth, meta)

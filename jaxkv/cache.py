@@ -222,8 +222,12 @@ def _over_batch_heads_for_insert(method, mcfg):
 
 
 def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: CacheConfig,
-                         capacity: int, key) -> RegionKV:
-    """Split one layer's prefilled K and V (both head-major [B, Hkv, T, hd]) into the four regions."""
+                         capacity: int, key=None) -> RegionKV:
+    """Split one layer's prefilled K and V (both head-major [B, Hkv, T, hd]) into the four regions.
+
+    ``key`` is handed to the method's ``build``. generate() passes None: MagicPIG then
+    hashes every layer and head with its one seeded projection, as the official code does.
+    """
     s, w, u = ccfg.sink, ccfg.local, ccfg.buffer
     b, h, t, hd = staging_k.shape
     pad = max(0, s + capacity + w + u - t)
@@ -567,7 +571,6 @@ class Backend:
     cache: CacheConfig | None
     staging_capacity: int
     retrieval_capacity: int
-    seed: int = 0
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
@@ -592,28 +595,26 @@ class Backend:
         jitted call per sparse layer: in one program over all layers, XLA CPU
         kept every layer's index-build temporaries alive at once.
         """
-        base_key = jax.random.key(self.seed)
         return tuple(
             models.KVCache(k=staging.k[layer], v=staging.v[layer]) if layer in self.dense_layers
-            else _layer_regions(self, models.transpose_keys(staging.k[layer]), staging.v[layer], lengths,
-                                jax.random.fold_in(base_key, layer))
+            else _layer_regions(self, models.transpose_keys(staging.k[layer]), staging.v[layer], lengths)
             for layer in range(self.num_layers))
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))
-def _layer_regions(backend: Backend, k, v, lengths, key) -> RegionKV:
+def _layer_regions(backend: Backend, k, v, lengths) -> RegionKV:
     return regions_from_prefill(k, v, lengths, method=method_module(backend.method), mcfg=backend.method_config,
-                                ccfg=backend.cache, capacity=backend.retrieval_capacity, key=key)
+                                ccfg=backend.cache, capacity=backend.retrieval_capacity)
 
 
 def make_backend(config, method: str, method_config, cache_config, max_prompt: int,
-                 max_new_tokens: int, seed: int = 0) -> Backend:
+                 max_new_tokens: int) -> Backend:
     """Validate a generate() request and size every cache for it."""
     total = max_prompt + max_new_tokens
     if method == "dense":
         if method_config is not None or cache_config is not None:
             raise ValueError("method='dense' takes no method_config or cache_config")
-        return Backend(config.num_layers, "dense", None, None, total, 0, seed)
+        return Backend(config.num_layers, "dense", None, None, total, 0)
     config_class = method_config_class(method)
     mcfg = method_config if method_config is not None else config_class()
     if not isinstance(mcfg, config_class):
@@ -624,4 +625,4 @@ def make_backend(config, method: str, method_config, cache_config, max_prompt: i
     # slack of one buffer keeps a flush's writes in bounds.
     capacity = max(total - ccfg.sink - ccfg.local, 0) + ccfg.buffer
     # Dense layers and the prefill staging cache keep every position.
-    return Backend(config.num_layers, method, mcfg, ccfg, total, capacity, seed)
+    return Backend(config.num_layers, method, mcfg, ccfg, total, capacity)

@@ -231,9 +231,9 @@ def build(cfg: HybridConfig, keys: jax.Array, n, key: jax.Array | None = None,
           values: jax.Array | None = None) -> HybridIndex:
     """Indices over the first n rows of keys[cap, d] (values[cap, d] for the regression tail).
 
-    ``key`` draws the LSH projection of the "lsh" tail.
+    ``key`` draws a projection of its own for the "lsh" tail (None: MagicPIG's
+    seeded one, ``magicpig.projection``).
     """
-    key = jax.random.key(0) if key is None else key
     head = pariskv.build(cfg.head_config(), keys, n) if _has_head(cfg) else None
     model = None
     if cfg.tail == "regression":
