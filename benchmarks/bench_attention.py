@@ -359,11 +359,12 @@ def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entrie
         per_candidate = pariskv.index_bytes_per_key(mcfg, d) - b
         per_head = {"select": n * b + pariskv.n_candidates(mcfg, cap) * per_candidate,
                     "gather": sel_rows * row, "exact": exact}
+        per_step = 0
     else:
         per_head = {"select": entries * 4, "gather": sel_rows * row, "exact": exact}  # select: bucket ids read
+        per_step = d * mcfg.K * mcfg.L * 4  # the projection: one for every head (and layer)
     total = {stage: value * h for stage, value in per_head.items()}
-    if method is magicpig:
-        total["select"] += d * mcfg.K * mcfg.L * 4  # the projection: one for every head (and layer)
+    total["select"] += per_step
     return total
 
 

@@ -19,10 +19,12 @@ does not read (the hybrid's regression tail), merged with the rows read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Scores of masked-out keys. Finite (not -inf) so that a fully masked row
 # gives l = 0 and o = 0 instead of NaN from (-inf) - (-inf).
@@ -214,6 +216,18 @@ def compact_rows(mask: jax.Array, size: int, fill: int = 0) -> jax.Array:
     6.5 ms for the scatter of every row it replaces, 1.7 ms.
     """
     return compact_words(pack_words(mask), size, fill)
+
+
+@functools.lru_cache(maxsize=None)
+def seeded_constant(sampler, seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    """``sampler(jax.random.key(seed), shape, float32)`` (a ``jax.random`` distribution) as a
+    read-only numpy array, drawn once on the CPU and shared by every caller. Not traced:
+    inside a jitted decode loop the generator's threefry rounds otherwise ran for every
+    sparse layer on every token; a constant is also packed for a product at compile time."""
+    with jax.default_device(jax.devices("cpu")[0]), jax.ensure_compile_time_eval():
+        drawn = np.array(sampler(jax.random.key(seed), shape, jnp.float32))
+    drawn.setflags(write=False)
+    return drawn
 
 
 def check_non_negative(cfg, *names: str) -> None:

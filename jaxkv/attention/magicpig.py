@@ -342,18 +342,10 @@ def collision_log_prob(cos_theta: jax.Array, K: int, L, min_hits: int = 2) -> ja
     return jnp.minimum(jnp.where(first_ratio <= 0.5, tail, complement), 0.0)
 
 
-@functools.lru_cache(maxsize=None)
-def _gaussian_hyperplanes(seed: int, d: int, n_bits: int) -> np.ndarray:
-    with jax.default_device(jax.devices("cpu")[0]), jax.ensure_compile_time_eval():
-        hyperplanes = np.array(jax.random.normal(jax.random.key(seed), (d, n_bits), jnp.float32))
-    hyperplanes.setflags(write=False)  # shared by every caller
-    return hyperplanes
-
-
 def projection(cfg: MagicPIGConfig, d: int) -> np.ndarray:
     """The SimHash hyperplanes R[d, K·L] for head size d: float32 N(0, 1) entries drawn
     from ``cfg.seed``, one matrix for every layer and KV head (a read-only constant)."""
-    return _gaussian_hyperplanes(cfg.seed, d, cfg.K * cfg.L)
+    return common.seeded_constant(jax.random.normal, cfg.seed, (d, cfg.K * cfg.L))
 
 
 def _own_or_shared(cfg: MagicPIGConfig, own: jax.Array | None, d: int) -> jax.Array:

@@ -27,7 +27,6 @@ low nibble = even coordinate.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import sys
 
@@ -179,19 +178,9 @@ def _hadamard(p: int) -> np.ndarray:
     return h
 
 
-@functools.lru_cache(maxsize=None)
-def _rademacher_signs(seed: int, p: int) -> np.ndarray:
-    # Evaluated once, not traced: inside a jitted decode loop the generator's
-    # threefry rounds otherwise ran for every sparse layer on every token.
-    with jax.ensure_compile_time_eval():
-        signs = np.array(jax.random.rademacher(jax.random.key(seed), (p,), dtype=jnp.float32))
-    signs.setflags(write=False)  # shared by every caller
-    return signs
-
-
 def rotation_diagonal(cfg: ParisKVConfig, p: int) -> np.ndarray:
     """The seeded ±1 diagonal D of the rotation (float32 [p]), a constant."""
-    return _rademacher_signs(cfg.seed, p)
+    return common.seeded_constant(jax.random.rademacher, cfg.seed, (p,))
 
 
 def rotate(cfg: ParisKVConfig, x: jax.Array) -> jax.Array:
