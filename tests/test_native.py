@@ -289,6 +289,53 @@ def test_native_magicpig_sample_equals_the_xla_path(changes, truncated, stops_ea
     assert bool((stats_x.tables_used < cfg.L).any()) == stops_early
 
 
+# A code bit is the sign of a float32 product summed over d terms in another order than
+# XLA's. Each sum is within d·2⁻²⁴·|q|·|r| of the exact product (the recursive-summation
+# bound, Σ|q_i r_i| ≤ |q|·|r|), so the two signs can differ only where |cos(q, r)| is below
+# twice that: 7.6e-6 at d = 64.
+SIGN_MARGIN = 2 * 64 * 2.0**-24
+
+
+@pytest.mark.parametrize("own_projection", [False, True])
+@pytest.mark.parametrize("changes, tables_read", [
+    ({}, "all"), ({"K": 8, "candidate_capacity": 0.05}, "some"), ({"K": 4, "L": 40}, "some"),
+    ({"K": 13, "L": 20}, "all"), ({"center": False}, "none")])
+def test_native_magicpig_query_buckets_equal_the_xla_path(changes, tables_read, own_projection):
+    heads, cap, n, d = 3, 3000, 2500, 64
+    cfg = dataclasses.replace(MAGICPIG, **changes)
+    keys = _keys(8, (heads, cap, d)) + 0.5
+    if tables_read == "none":  # one key repeated: a query equal to it meets a bucket of all n keys first
+        keys = jnp.broadcast_to(keys[:, :1], keys.shape)
+    index = (_magicpig_index(cfg, keys, n) if own_projection
+             else jax.vmap(lambda k: magicpig.build(cfg, k, n))(keys))
+    q = _query_group(keys, n, 9) if tables_read != "none" else keys[:, :3]
+    codes, tables_used, entries_read = jax.jit(jax.vmap(
+        lambda ix, qq: magicpig._native_query_buckets(cfg, ix, qq)))(index, q)
+
+    def xla(index, q, codes):
+        want_codes = magicpig.hash_codes(cfg, magicpig.hyperplanes(cfg, index), q)
+        _, _, running, used = magicpig._code_buckets(cfg, index, codes)  # the native codes' buckets
+        hyperplanes = magicpig.hyperplanes(cfg, index)
+        cosines = (q @ hyperplanes) / (jnp.linalg.norm(q, axis=-1)[:, None] * jnp.linalg.norm(hyperplanes, axis=0))
+        return want_codes, used, magicpig._entries_read(running, used), cosines
+
+    want_codes, want_used, want_read, cosines = jax.jit(jax.vmap(xla))(index, q, codes)
+    bits = lambda c: (np.asarray(c)[..., None] >> np.arange(cfg.K)) & 1
+    decided = np.abs(np.asarray(cosines)).reshape(*codes.shape, cfg.K) > SIGN_MARGIN
+    np.testing.assert_array_equal(np.where(decided, bits(codes), 0), np.where(decided, bits(want_codes), 0))
+    assert decided.mean() > 0.999  # nearly every bit is compared
+    np.testing.assert_array_equal(tables_used, want_used)
+    np.testing.assert_array_equal(entries_read, want_read)
+    one_head = magicpig._native_query_buckets(cfg, jax.tree.map(lambda a: a[1], index), q[1])  # no vmap
+    for got, want in zip(one_head, (codes, tables_used, entries_read)):
+        np.testing.assert_array_equal(got, want[1])
+    # Not vacuous: each case reads every table, stops early, or reads none (its first bucket
+    # holds more than the candidate capacity), as intended.
+    used = np.asarray(want_used)
+    assert {"all": (used == cfg.L).all(), "some": ((used > 0) & (used < cfg.L)).all(),
+            "none": (used == 0).all() and (np.asarray(want_read) == 0).all()}[tables_read]
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _magicpig_inserts(cfgs, index, keys_new, count):
     return [jax.vmap(lambda ix, k: magicpig.insert(cfg, ix, k, count))(index, keys_new) for cfg in cfgs]

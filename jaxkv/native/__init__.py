@@ -9,8 +9,8 @@ sources, the compiler command and this CPU, and registered with ``jax.ffi`` for 
 platform. :func:`available` says whether that worked;
 ``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank, final top-k and
 the attention over its rows in them; ``MagicPIGConfig(kernels="native")`` MagicPIG's
-sampling (which keys collide), the attention over the sample with its correction, and the
-insertion's merge.
+query hash and bucket lookups, its sampling (which keys collide), the attention over the
+sample with its correction, and the insertion's merge.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ import numpy as np
 SOURCES = tuple(sorted(pathlib.Path(__file__).parent.glob("*.cc")))
 HEADERS = tuple(sorted(pathlib.Path(__file__).parent.glob("*.h")))
 TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "PariskvRerank",
-           "jaxkv_top_k": "TopK", "jaxkv_magicpig_collide": "MagicpigCollide",
+           "jaxkv_top_k": "TopK", "jaxkv_magicpig_query_buckets": "MagicpigQueryBuckets",
+           "jaxkv_magicpig_collide": "MagicpigCollide",
            "jaxkv_magicpig_merge": "MagicpigMerge", "jaxkv_magicpig_attend": "MagicpigAttend",
            "jaxkv_attend_rows": "AttendRows"}
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2")  # byte permutes for the votes, bit deposits
@@ -151,6 +152,32 @@ def top_k(values: jax.Array, k: int) -> jax.Array:
     call = jax.ffi.ffi_call("jaxkv_top_k", jax.ShapeDtypeStruct((*values.shape[:-1], k), jnp.int32),
                             vmap_method="broadcast_all")
     return call(values.astype(jnp.float32))
+
+
+def magicpig_query_buckets(q: jax.Array, projection: jax.Array, bucket_starts: jax.Array, *, K: int, limit: int):
+    """A query group's codes and the tables each head reads: ``magicpig.select_with_stats``'s
+    (codes, tables_used, entries_read), int32 [..., G, L], [..., G] and [..., G].
+
+    q [..., G, d]; projection float32 [d, K·L] (or with q's batch axes); bucket_starts int32
+    [..., L, 2^K + 1]. A head reads its tables in order while the running total of its
+    buckets' sizes is at most ``limit``. A code's bit is the sign of a float32 product whose
+    terms are summed in another order than XLA's: a product within rounding of 0 may take
+    the other sign.
+    """
+    _load()
+    heads = q.shape[:-1]
+    call = jax.ffi.ffi_call(
+        "jaxkv_magicpig_query_buckets",
+        (jax.ShapeDtypeStruct((*heads, bucket_starts.shape[-2]), jnp.int32), jax.ShapeDtypeStruct(heads, jnp.int32),
+         jax.ShapeDtypeStruct(heads, jnp.int32)),
+        vmap_method="expand_dims")  # an unbatched projection stays one matrix, not a copy per head
+    rank = q.ndim  # the kernel takes operands of one rank; an axis of 1 is shared by the batch
+    return call(q.astype(jnp.float32), _with_rank(jnp.asarray(projection, jnp.float32), rank),
+                _with_rank(bucket_starts.astype(jnp.int32), rank), k_bits=np.int64(K), limit=np.int64(limit))
+
+
+def _with_rank(x: jax.Array, rank: int) -> jax.Array:
+    return x.reshape((1,) * (rank - x.ndim) + x.shape)
 
 
 def magicpig_collide(sorted_ids: jax.Array, bucket_starts: jax.Array, codes: jax.Array, tables_used: jax.Array,

@@ -1,5 +1,8 @@
 // MagicPIG's sampling on the CPU as XLA FFI handlers (jaxkv/native/__init__.py builds
 // and registers them). They compute what jaxkv.attention.magicpig computes in XLA, exactly:
+//   - magicpig_query_buckets: a query group's codes (a bit may differ from XLA's where its
+//     product is within float32 rounding of 0), and how many tables each head reads and
+//     their entries (select_with_stats's tables_used and entries_read);
 //   - magicpig_collide: the sampled keys of a query group (select_with_stats's hits, their
 //     union's lowest C ids and each head's membership) from the buckets it reads;
 //   - magicpig_merge: insert's merge of new keys into every table's sorted id list;
@@ -14,7 +17,8 @@
 // rows into copies and evaluates the correction for every (query head, slot); here each
 // row is read in place (from host memory too: on the CPU it is the same memory) and the
 // correction is evaluated for the pairs a head sampled only. Every leading axis of the
-// arguments is a batch axis (vmap, broadcast_all).
+// arguments is a batch axis (vmap: broadcast_all; expand_dims for magicpig_query_buckets,
+// whose shared projection then stays one matrix).
 
 #include <immintrin.h>
 
@@ -45,6 +49,122 @@ std::pair<int64_t, int64_t> bucket_range(const int32_t* starts, int64_t n_bucket
   const int64_t b = bucket_of(code, n_buckets);
   const int64_t lo = std::clamp<int64_t>(starts[b], 0, cap);
   return {lo, std::clamp<int64_t>(starts[b + 1], lo, cap)};
+}
+
+// ---------------------------------------------------------------- query buckets
+
+// The SimHash codes of all `n_queries` rows of x [n_queries, d] against projection
+// [d, k_bits * n_tables]: code[q, t] bit j = [x_q . R[:, t * k_bits + j] > 0]. A tile of
+// kQueries queries by kBlocks blocks of 16 columns keeps its kQueries * kBlocks sums in
+// registers (independent FMA chains) and reads the projection once per kQueries queries. Each
+// product is summed over d in order in float32 (XLA's order may differ, so the sign of a
+// product within rounding of 0 may differ from XLA's).
+void simhash_codes(const float* x, int64_t n_queries, int64_t d, const float* projection, int64_t k_bits,
+                   int64_t n_tables, int32_t* codes) {
+  constexpr int kQueries = 3, kBlocks = 3, kLanes = 16;
+  const int64_t columns = k_bits * n_tables, blocks = (columns + kLanes - 1) / kLanes + 4;  // + 8 bytes for the reads below
+  // positive[q * blocks + c / 16] bit c % 16 = [x_q . R[:, c] > 0]
+  std::vector<uint16_t> positive(n_queries * blocks, 0);
+  for (int64_t q0 = 0; q0 < n_queries; q0 += kQueries) {
+    const float* rows[kQueries];  // past the last query: the last again, its signs not kept
+    for (int k = 0; k < kQueries; ++k) rows[k] = x + std::min(q0 + k, n_queries - 1) * d;
+    for (int64_t c0 = 0; c0 < columns; c0 += kBlocks * kLanes) {
+      __mmask16 live[kBlocks];
+      for (int b = 0; b < kBlocks; ++b) {
+        const int64_t left = std::clamp<int64_t>(columns - c0 - b * kLanes, 0, kLanes);
+        live[b] = static_cast<__mmask16>((uint32_t{1} << left) - 1);
+      }
+      __m512 sums[kQueries][kBlocks];
+      for (int k = 0; k < kQueries; ++k)
+        for (int b = 0; b < kBlocks; ++b) sums[k][b] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < d; ++i) {
+        __m512 row[kBlocks];
+        for (int b = 0; b < kBlocks; ++b) row[b] = _mm512_maskz_loadu_ps(live[b], projection + i * columns + c0 + b * kLanes);
+        for (int k = 0; k < kQueries; ++k) {
+          const __m512 xi = _mm512_set1_ps(rows[k][i]);
+          for (int b = 0; b < kBlocks; ++b) sums[k][b] = _mm512_fmadd_ps(xi, row[b], sums[k][b]);
+        }
+      }
+      for (int k = 0; k < kQueries && q0 + k < n_queries; ++k)
+        for (int b = 0; b < kBlocks; ++b)
+          positive[(q0 + k) * blocks + c0 / kLanes + b] =
+              _mm512_mask_cmp_ps_mask(live[b], sums[k][b], _mm512_setzero_ps(), _CMP_GT_OQ);
+    }
+  }
+  // Table t's code is bits [t * k_bits, (t + 1) * k_bits) of a query's signs (k_bits <= 30:
+  // within the 8 bytes read at the byte holding the first).
+  const uint32_t code_mask = (uint32_t{1} << k_bits) - 1;
+  for (int64_t q = 0; q < n_queries; ++q) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(positive.data() + q * blocks);
+    for (int64_t t = 0; t < n_tables; ++t) {
+      const int64_t bit = t * k_bits;
+      uint64_t word;
+      std::memcpy(&word, bytes + bit / 8, sizeof(word));
+      codes[q * n_tables + t] = static_cast<int32_t>((word >> (bit % 8)) & code_mask);
+    }
+  }
+}
+
+// One query head's tables read and their entries (magicpig._code_buckets's tables_used and
+// _entries_read): tables in order while the running total of its bucket sizes is at most
+// `limit`. All of the head's bucket starts are fetched first, so their misses (a random DRAM
+// line per table) overlap. Every table is counted, as in XLA (the running total only grows,
+// so the tables counted are the prefix that fits).
+std::pair<int32_t, int32_t> tables_read(const int32_t* starts, int64_t n_buckets, const int32_t* codes,
+                                        int64_t n_tables, int64_t limit) {
+  for (int64_t t = 0; t < n_tables; ++t) {
+    const int32_t* start = starts + t * (n_buckets + 1) + bucket_of(codes[t], n_buckets);
+    prefetch_lines(start, start + 2);
+  }
+  int64_t running = 0, tables = 0, read = 0;
+  for (int64_t t = 0; t < n_tables; ++t) {
+    const int32_t* start = starts + t * (n_buckets + 1) + bucket_of(codes[t], n_buckets);
+    running += start[1] - start[0];
+    if (running <= limit) ++tables, read = running;
+  }
+  return {static_cast<int32_t>(tables), static_cast<int32_t>(read)};
+}
+
+// magicpig.select_with_stats's first steps for a query group q [..., G, d]: its codes
+// (hash_codes with the projection [..., d, K * L]), then per head the tables read and their
+// entries in the index's bucket_starts [..., L, 2^K + 1]. The projection's and the starts'
+// batch is q's or 1 (one for all: vmap's expand_dims leaves the shared projection whole).
+// XLA takes a YNNPACK product, a bit packing, two gathers of starts and a running sum for
+// this, ≈ 135 us a layer at 8k keys (docs/results/performance.md).
+ffi::Error query_buckets(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> projection, ffi::Buffer<ffi::S32> bucket_starts,
+                         int64_t k_bits, int64_t limit, ffi::ResultBuffer<ffi::S32> codes,
+                         ffi::ResultBuffer<ffi::S32> tables_used, ffi::ResultBuffer<ffi::S32> entries_read) {
+  const auto qd = q.dimensions(), pd = projection.dimensions(), sd = bucket_starts.dimensions();
+  if (qd.size() < 2 || pd.size() != qd.size() || sd.size() != qd.size())
+    return ffi::Error::InvalidArgument("magicpig_query_buckets: q [..., G, d], projection [..., d, K*L], "
+                                       "bucket_starts [..., L, 2^K + 1] of the same rank");
+  const int64_t n_heads = qd[qd.size() - 2], d = qd.back(), batch = product(qd, 0, qd.size() - 2);
+  const int64_t n_tables = sd[sd.size() - 2], n_buckets = sd.back() - 1;
+  const int64_t matrix = d * k_bits * n_tables, table_starts = n_tables * (n_buckets + 1);
+  const bool one_projection = projection.element_count() == matrix, one_index = bucket_starts.element_count() == table_starts;
+  if (k_bits < 1 || k_bits > 30 || n_buckets != (int64_t{1} << k_bits) || pd[pd.size() - 2] != d ||
+      pd.back() != k_bits * n_tables || (!one_projection && projection.element_count() != batch * matrix) ||
+      (!one_index && bucket_starts.element_count() != batch * table_starts) ||
+      codes->element_count() != batch * n_heads * n_tables || tables_used->element_count() != batch * n_heads ||
+      entries_read->element_count() != batch * n_heads)
+    return ffi::Error::InvalidArgument("magicpig_query_buckets: projection [..., d, K*L] and bucket_starts "
+                                       "[..., L, 2^K + 1] with q's batch or 1; codes [..., G, L], tables_used and "
+                                       "entries_read [..., G]");
+  if (one_projection) {
+    simhash_codes(q.typed_data(), batch * n_heads, d, projection.typed_data(), k_bits, n_tables, codes->typed_data());
+  } else {
+    for (int64_t b = 0; b < batch; ++b)
+      simhash_codes(q.typed_data() + b * n_heads * d, n_heads, d, projection.typed_data() + b * matrix, k_bits,
+                    n_tables, codes->typed_data() + b * n_heads * n_tables);
+  }
+  for (int64_t item = 0; item < batch * n_heads; ++item) {
+    const int64_t b = one_index ? 0 : item / n_heads;
+    const auto [tables, read] = tables_read(bucket_starts.typed_data() + b * table_starts, n_buckets,
+                                            codes->typed_data() + item * n_tables, n_tables, limit);
+    tables_used->typed_data()[item] = tables;
+    entries_read->typed_data()[item] = read;
+  }
+  return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------- collide
@@ -537,6 +657,17 @@ ffi::Error attend_rows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigQueryBuckets, query_buckets,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("k_bits")
+                                  .Attr<int64_t>("limit")
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigCollide, collide,
                               ffi::Ffi::Bind()
