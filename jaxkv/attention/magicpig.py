@@ -501,8 +501,9 @@ def _code_buckets(cfg: MagicPIGConfig, index: MagicPIGIndex, codes: jax.Array):
 def _native_query_buckets(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array):
     """(codes [G, L], tables_used [G], entries_read [G]) of q [G, d] by one ``jaxkv.native``
     kernel: what :func:`hash_codes` and :func:`_code_buckets` give (a code's bit may differ
-    where its product is within float32 rounding of 0), without XLA's matrix product,
-    bit packing, gathers of bucket starts and running sum, ≈ 135 µs a layer at 8k keys."""
+    where its product is within float32 rounding of 0). XLA's matrix product, bit packing,
+    gathers of bucket starts and running sum took ≈ 128 µs a sparse layer at 8k keys; the
+    kernel takes 67–99."""
     return native.magicpig_query_buckets(q, hyperplanes(cfg, index), index.bucket_starts, K=cfg.K,
                                          limit=cfg.candidate_entries(index.sorted_ids.shape[1]))
 

@@ -130,7 +130,8 @@ std::pair<int32_t, int32_t> tables_read(const int32_t* starts, int64_t n_buckets
 // entries in the index's bucket_starts [..., L, 2^K + 1]. The projection's and the starts'
 // batch is q's or 1 (one for all: vmap's expand_dims leaves the shared projection whole).
 // XLA takes a YNNPACK product, a bit packing, two gathers of starts and a running sum for
-// this, ≈ 135 us a layer at 8k keys (docs/results/performance.md).
+// this: ≈ 128 us a sparse layer at 8k keys, against 67-99 us here (docs/results/
+// performance.md, section "2026-12-04, evening").
 ffi::Error query_buckets(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> projection, ffi::Buffer<ffi::S32> bucket_starts,
                          int64_t k_bits, int64_t limit, ffi::ResultBuffer<ffi::S32> codes,
                          ffi::ResultBuffer<ffi::S32> tables_used, ffi::ResultBuffer<ffi::S32> entries_read) {
