@@ -313,9 +313,9 @@ def test_native_magicpig_query_buckets_equal_the_xla_path(changes, tables_read, 
         lambda ix, qq: magicpig._native_query_buckets(cfg, ix, qq)))(index, q)
 
     def xla(index, q, codes):
-        want_codes = magicpig.hash_codes(cfg, magicpig.hyperplanes(cfg, index), q)
-        _, _, running, used = magicpig._code_buckets(cfg, index, codes)  # the native codes' buckets
         hyperplanes = magicpig.hyperplanes(cfg, index)
+        want_codes = magicpig.hash_codes(cfg, hyperplanes, q)
+        _, _, running, used = magicpig._code_buckets(cfg, index, codes)  # the native codes' buckets
         cosines = (q @ hyperplanes) / (jnp.linalg.norm(q, axis=-1)[:, None] * jnp.linalg.norm(hyperplanes, axis=0))
         return want_codes, used, magicpig._entries_read(running, used), cosines
 

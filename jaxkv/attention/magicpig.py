@@ -650,7 +650,7 @@ def attend_in_place(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, key
     corrected by :func:`correction`: what gathering the rows and ``common.partial_attention``
     give, in one ``jaxkv.native`` kernel that reads the rows where they lie (host memory
     included) and evaluates the correction only for the (head, row) pairs sampled."""
-    _, tables_used, _ = _native_query_buckets(cfg, index, q)
+    _, tables_used, _ = _native_query_buckets(cfg, index, q)  # select's call: XLA keeps one of the two
     o, l, m = native.magicpig_attend(q, keys, values, index.mu, selection.idx, selection.mask, tables_used,
                                      K=cfg.K, min_hits=cfg.min_hits, tail_terms=TAIL_TERMS,
                                      log_u_floor=LOG_U_FLOOR, masked_score=common.MASKED_SCORE)
