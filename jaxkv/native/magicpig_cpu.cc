@@ -496,11 +496,16 @@ void attend_block(const AttendHead& a, int64_t begin, int64_t end, Partial& out)
   // The sample fills the lowest slots: the block's work ends at its last sampled slot.
   while (end > begin && !sampled_by_any(end - 1)) --end;
   const int64_t count = end - begin, lanes = (count + 15) / 16 * 16;
-  // Per head and slot: the scaled score and the cosine (0 where not sampled), then the
-  // corrected score, kUnsampled where the head did not sample the row; then its weight.
+  // Per head and slot: the scaled score, then the corrected score, kUnsampled where the
+  // head did not sample the row; then its weight. The cosines of the rows a head sampled
+  // are packed (with their slots), so the correction's vector math runs on full vectors:
+  // a head samples about 2 in 5 of its KV head's rows at 8k keys, scattered over them
+  // (SmolLM2's real indexes, one thread: the correction 73 -> 46 us a layer).
   // The cosine's numerator q·(k - mu) is q·k - q·mu: one product per row and head, shared
   // with the score.
   std::vector<float> score(a.heads * lanes, kUnsampled), cosine(a.heads * lanes, 0.0f), q_norm(a.heads), q_mu(a.heads);
+  std::vector<int32_t> cosine_slot(a.heads * lanes);
+  std::vector<int64_t> n_cosines(a.heads, 0);
   for (int64_t g = 0; g < a.heads; ++g) {
     q_norm[g] = std::sqrt(dot(a.q + g * a.d, a.q + g * a.d, a.d));
     if (a.log_prob) q_mu[g] = dot(a.q + g * a.d, a.mu, a.d);
@@ -522,27 +527,26 @@ void attend_block(const AttendHead& a, int64_t begin, int64_t end, Partial& out)
       const float qk = dot(a.q + g * a.d, k, a.d);
       if (a.log_prob) {
         const float norms = q_norm[g] * k_norm;
-        cosine[g * lanes + c - begin] = norms > 0 ? (qk - q_mu[g]) / norms : 0.0f;
+        const int64_t packed = g * lanes + n_cosines[g]++;
+        cosine[packed] = norms > 0 ? (qk - q_mu[g]) / norms : 0.0f;
+        cosine_slot[packed] = static_cast<int32_t>(c - begin);
       }
       score[g * lanes + c - begin] = qk * a.scale;
     }
   }
-  const __m512 unsampled = _mm512_set1_ps(kUnsampled);
   for (int64_t g = 0; g < a.heads; ++g) {
-    __m512 top = _mm512_set1_ps(out.m[g]);
-    for (int64_t c = 0; c < lanes; c += 16) {
-      float* s = score.data() + g * lanes + c;
-      const __mmask16 sampled = _mm512_cmp_ps_mask(_mm512_loadu_ps(s), unsampled, _CMP_NEQ_OQ);
-      if (!sampled) continue;  // the correction only where this head sampled a row
-      __m512 corrected = _mm512_loadu_ps(s);
-      if (a.log_prob) {
-        const __m512 log_u = _mm512_max_ps((*a.log_prob)[g](_mm512_loadu_ps(cosine.data() + g * lanes + c)),
+    float* head_score = score.data() + g * lanes;
+    if (a.log_prob) {  // the correction of each packed cosine, subtracted from its slot's score
+      float* head_cosine = cosine.data() + g * lanes;  // padding lanes hold cosine 0: a valid input
+      for (int64_t i = 0; i < n_cosines[g]; i += 16) {
+        const __m512 log_u = _mm512_max_ps((*a.log_prob)[g](_mm512_loadu_ps(head_cosine + i)),
                                            _mm512_set1_ps(a.log_u_floor));
-        corrected = _mm512_mask_sub_ps(unsampled, sampled, corrected, log_u);
-        _mm512_storeu_ps(s, corrected);
+        _mm512_storeu_ps(head_cosine + i, log_u);
       }
-      top = _mm512_max_ps(top, corrected);
+      for (int64_t i = 0; i < n_cosines[g]; ++i) head_score[cosine_slot[g * lanes + i]] -= head_cosine[i];
     }
+    __m512 top = _mm512_set1_ps(out.m[g]);
+    for (int64_t c = 0; c < lanes; c += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(head_score + c));
     out.m[g] = _mm512_reduce_max_ps(top);
     // Weights exp(s - m), 0 where not sampled or where exp underflows past float32's normal
     // range. Those lanes get input 0: libmvec takes a slow scalar path for any lane whose
