@@ -59,38 +59,43 @@ std::pair<int64_t, int64_t> bucket_range(const int32_t* starts, int64_t n_bucket
 // registers (independent FMA chains) and reads the projection once per kQueries queries. Each
 // product is summed over d in order in float32 (XLA's order may differ, so the sign of a
 // product within rounding of 0 may differ from XLA's).
-void simhash_codes(const float* x, int64_t n_queries, int64_t d, const float* projection, int64_t k_bits,
-                   int64_t n_tables, int32_t* codes) {
-  constexpr int kQueries = 3, kBlocks = 3, kLanes = 16;
+void simhash_codes(ffi::ThreadPool& pool, const float* x, int64_t n_queries, int64_t d, const float* projection,
+                   int64_t k_bits, int64_t n_tables, int32_t* codes) {
+  constexpr int kQueries = 3, kBlocks = 3, kLanes = 16, kTilesPerItem = 8;
   const int64_t columns = k_bits * n_tables, blocks = (columns + kLanes - 1) / kLanes + 4;  // + 8 bytes for the reads below
+  const int64_t tiles = (columns + kBlocks * kLanes - 1) / (kBlocks * kLanes);
   // positive[q * blocks + c / 16] bit c % 16 = [x_q . R[:, c] > 0]
   std::vector<uint16_t> positive(n_queries * blocks, 0);
-  for (int64_t q0 = 0; q0 < n_queries; q0 += kQueries) {
-    const float* rows[kQueries];  // past the last query: the last again, its signs not kept
-    for (int k = 0; k < kQueries; ++k) rows[k] = x + std::min(q0 + k, n_queries - 1) * d;
-    for (int64_t c0 = 0; c0 < columns; c0 += kBlocks * kLanes) {
-      __mmask16 live[kBlocks];
-      for (int b = 0; b < kBlocks; ++b) {
-        const int64_t left = std::clamp<int64_t>(columns - c0 - b * kLanes, 0, kLanes);
-        live[b] = static_cast<__mmask16>((uint32_t{1} << left) - 1);
-      }
-      __m512 sums[kQueries][kBlocks];
-      for (int k = 0; k < kQueries; ++k)
-        for (int b = 0; b < kBlocks; ++b) sums[k][b] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < d; ++i) {
-        __m512 row[kBlocks];
-        for (int b = 0; b < kBlocks; ++b) row[b] = _mm512_maskz_loadu_ps(live[b], projection + i * columns + c0 + b * kLanes);
-        for (int k = 0; k < kQueries; ++k) {
-          const __m512 xi = _mm512_set1_ps(rows[k][i]);
-          for (int b = 0; b < kBlocks; ++b) sums[k][b] = _mm512_fmadd_ps(xi, row[b], sums[k][b]);
+  // Items of kTilesPerItem column tiles, for the helper the pool starts tens of us late.
+  parallel_for(pool, (tiles + kTilesPerItem - 1) / kTilesPerItem, [&](int64_t item) {
+    const int64_t c_end = std::min(columns, (item + 1) * kTilesPerItem * kBlocks * kLanes);
+    for (int64_t q0 = 0; q0 < n_queries; q0 += kQueries) {
+      const float* rows[kQueries];  // past the last query: the last again, its signs not kept
+      for (int k = 0; k < kQueries; ++k) rows[k] = x + std::min(q0 + k, n_queries - 1) * d;
+      for (int64_t c0 = item * kTilesPerItem * kBlocks * kLanes; c0 < c_end; c0 += kBlocks * kLanes) {
+        __mmask16 live[kBlocks];
+        for (int b = 0; b < kBlocks; ++b) {
+          const int64_t left = std::clamp<int64_t>(columns - c0 - b * kLanes, 0, kLanes);
+          live[b] = static_cast<__mmask16>((uint32_t{1} << left) - 1);
         }
+        __m512 sums[kQueries][kBlocks];
+        for (int k = 0; k < kQueries; ++k)
+          for (int b = 0; b < kBlocks; ++b) sums[k][b] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; ++i) {
+          __m512 row[kBlocks];
+          for (int b = 0; b < kBlocks; ++b) row[b] = _mm512_maskz_loadu_ps(live[b], projection + i * columns + c0 + b * kLanes);
+          for (int k = 0; k < kQueries; ++k) {
+            const __m512 xi = _mm512_set1_ps(rows[k][i]);
+            for (int b = 0; b < kBlocks; ++b) sums[k][b] = _mm512_fmadd_ps(xi, row[b], sums[k][b]);
+          }
+        }
+        for (int k = 0; k < kQueries && q0 + k < n_queries; ++k)
+          for (int b = 0; b < kBlocks; ++b)
+            positive[(q0 + k) * blocks + c0 / kLanes + b] =
+                _mm512_mask_cmp_ps_mask(live[b], sums[k][b], _mm512_setzero_ps(), _CMP_GT_OQ);
       }
-      for (int k = 0; k < kQueries && q0 + k < n_queries; ++k)
-        for (int b = 0; b < kBlocks; ++b)
-          positive[(q0 + k) * blocks + c0 / kLanes + b] =
-              _mm512_mask_cmp_ps_mask(live[b], sums[k][b], _mm512_setzero_ps(), _CMP_GT_OQ);
     }
-  }
+  }, /*linger=*/true);  // the collide kernel follows
   // Table t's code is bits [t * k_bits, (t + 1) * k_bits) of a query's signs (k_bits <= 30:
   // within the 8 bytes read at the byte holding the first).
   const uint32_t code_mask = (uint32_t{1} << k_bits) - 1;
@@ -132,7 +137,7 @@ std::pair<int32_t, int32_t> tables_read(const int32_t* starts, int64_t n_buckets
 // XLA takes a YNNPACK product, a bit packing, two gathers of starts and a running sum for
 // this: ≈ 128 us a sparse layer at 8k keys, against 67-99 us here (docs/results/
 // performance.md, section "2026-12-04, evening").
-ffi::Error query_buckets(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> projection, ffi::Buffer<ffi::S32> bucket_starts,
+ffi::Error query_buckets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> projection, ffi::Buffer<ffi::S32> bucket_starts,
                          int64_t k_bits, int64_t limit, ffi::ResultBuffer<ffi::S32> codes,
                          ffi::ResultBuffer<ffi::S32> tables_used, ffi::ResultBuffer<ffi::S32> entries_read) {
   const auto qd = q.dimensions(), pd = projection.dimensions(), sd = bucket_starts.dimensions();
@@ -152,10 +157,10 @@ ffi::Error query_buckets(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> projecti
                                        "[..., L, 2^K + 1] with q's batch or 1; codes [..., G, L], tables_used and "
                                        "entries_read [..., G]");
   if (one_projection) {
-    simhash_codes(q.typed_data(), batch * n_heads, d, projection.typed_data(), k_bits, n_tables, codes->typed_data());
+    simhash_codes(pool, q.typed_data(), batch * n_heads, d, projection.typed_data(), k_bits, n_tables, codes->typed_data());
   } else {
     for (int64_t b = 0; b < batch; ++b)
-      simhash_codes(q.typed_data() + b * n_heads * d, n_heads, d, projection.typed_data() + b * matrix, k_bits,
+      simhash_codes(pool, q.typed_data() + b * n_heads * d, n_heads, d, projection.typed_data() + b * matrix, k_bits,
                     n_tables, codes->typed_data() + b * n_heads * n_tables);
   }
   for (int64_t item = 0; item < batch * n_heads; ++item) {
@@ -274,12 +279,12 @@ ffi::Error collide(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sorted_ids, ffi::
         sample_head(sorted_ids.typed_data() + b * n_tables * cap, bucket_starts.typed_data() + b * n_tables * (n_buckets + 1),
                     codes.typed_data() + item * n_tables, tables, cap, n_buckets, min_hits, hits.data(),
                     sampled.data() + item * words));
-  });
+  }, /*linger=*/true);
   parallel_for(pool, batch, [&](int64_t b) {
     n_union->typed_data()[b] = static_cast<int32_t>(
         union_of_heads(sampled.data() + b * n_heads * words, n_heads, words, capacity, idx->typed_data() + b * capacity,
                        mask->typed_data() + b * n_heads * capacity));
-  });
+  }, /*linger=*/true);  // the attend kernel follows
   return ffi::Error::Success();
 }
 
@@ -665,6 +670,7 @@ ffi::Error attend_rows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigQueryBuckets, query_buckets,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "xla/ffi/api/ffi.h"
@@ -32,13 +34,56 @@ inline int64_t product(ffi::Span<const int64_t> dims, size_t begin, size_t end) 
   return p;
 }
 
+// A pool thread woken by Schedule starts 27-93 us late (XLA's trace of a MagicPIG layer),
+// most of a kernel that takes 100-200 us. So a helper that is done with one kernel's items
+// may linger, spinning, for the next kernel's: a kernel that knows another follows within
+// microseconds (MagicPIG's hash, then its collide, then its attend) asks for it.
+constexpr std::chrono::microseconds kLinger{100};
+
+struct Offer {  // a parallel_for's items, handed to a lingering helper
+  std::function<void()> work;
+  bool linger;  // whether the helper lingers again after these items
+};
+
+struct Handoff {
+  std::atomic<Offer*> offered{nullptr};
+  std::atomic<int> lingering{0};
+};
+
+inline Handoff& handoff() {
+  static Handoff h;
+  return h;
+}
+
+// On a pool thread: wait up to kLinger for an offer, run it, and go on while offers ask to.
+inline void linger_for_offers() {
+  Handoff& h = handoff();
+  for (bool again = true; again;) {
+    again = false;
+    h.lingering.fetch_add(1);
+    const auto deadline = std::chrono::steady_clock::now() + kLinger;
+    Offer* offer = nullptr;
+    for (int spin = 0; !(offer = h.offered.exchange(nullptr)); ++spin) {
+      _mm_pause();
+      if (spin % 64 == 0 && std::chrono::steady_clock::now() > deadline) break;
+    }
+    h.lingering.fetch_sub(1);
+    if (offer) {
+      offer->work();
+      again = offer->linger;
+      delete offer;
+    }
+  }
+}
+
 // fn(i) for every i in [0, n), on the calling thread and XLA's intra-op thread pool (the
 // FFI ThreadPool: no threads started per call). Items are claimed one at a time, so the
 // caller only ever waits for items another thread is running: no deadlock when the pool
 // is busy or absent. A helper that starts after the last claim touches nothing but the
-// shared counters.
+// shared counters. A lingering helper takes the items if one waits; `linger`: the helpers
+// then wait for the next kernel's items.
 template <typename Fn>
-inline void parallel_for(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
+inline void parallel_for(ffi::ThreadPool& pool, int64_t n, const Fn& fn, bool linger = false) {
   struct Progress {
     std::atomic<int64_t> next{0}, done{0};
   };
@@ -50,20 +95,36 @@ inline void parallel_for(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work(); });
+  Handoff& h = handoff();
+  Offer* offer = nullptr;
+  for (int64_t i = 0; i < helpers; ++i) {
+    Offer* expected = nullptr;
+    Offer* candidate = h.lingering.load() > 0 && !offer ? new Offer{work, linger} : nullptr;
+    if (candidate && h.offered.compare_exchange_strong(expected, candidate)) {
+      offer = candidate;
+      continue;
+    }
+    delete candidate;
+    pool.Schedule([work, linger] {
+      work();
+      if (linger) linger_for_offers();
+    });
+  }
   work();
   while (progress->done.load(std::memory_order_acquire) < n) _mm_pause();
+  if (offer && h.offered.compare_exchange_strong(offer, nullptr)) delete offer;  // never taken
 }
 
 // fn(h, begin, end) for every chunk [begin, end) of at most `chunk` of the `n` rows of
 // each of `batch` heads, the chunks split over the threads as parallel_for's items.
 template <typename Fn>
-inline void parallel_chunks(ffi::ThreadPool& pool, int64_t batch, int64_t n, int64_t chunk, const Fn& fn) {
+inline void parallel_chunks(ffi::ThreadPool& pool, int64_t batch, int64_t n, int64_t chunk, const Fn& fn,
+                            bool linger = false) {
   const int64_t chunks = (n + chunk - 1) / chunk;
   parallel_for(pool, batch * chunks, [&](int64_t item) {
     const int64_t begin = item % chunks * chunk;
     fn(item / chunks, begin, std::min(begin + chunk, n));
-  });
+  }, linger);
 }
 
 }  // namespace jaxkv_native

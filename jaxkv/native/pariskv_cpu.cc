@@ -271,7 +271,7 @@ ffi::Error coarse(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
   parallel_for(pool, batch * n_sub, [&](int64_t item) {
     subspace_votes(scores.typed_data() + item * kPatterns, counts.typed_data() + item * kPatterns,
                    caps.typed_data() + item / n_sub * n_tiers, n_tiers, luts.data() + item * kPatterns);
-  });
+  }, /*linger=*/true);
   std::unique_ptr<uint8_t[]> votes(new uint8_t[batch * cap]);
   parallel_chunks(pool, batch, cap, kVoteRows, [&](int64_t h, int64_t begin, int64_t end) {
     const int64_t valid_end = std::clamp<int64_t>(n.typed_data()[h], begin, end);
@@ -279,10 +279,10 @@ ffi::Error coarse(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
     vote_range(signs.typed_data() + h * cap * n_sub, begin, valid_end, n_sub, luts.data() + h * n_sub * kPatterns,
                head_votes);
     std::memset(head_votes + valid_end, 0, end - valid_end);  // rows >= n
-  });
+  }, /*linger=*/true);
   parallel_for(pool, batch, [&](int64_t h) {
     most_voted_rows(votes.get() + h * cap, cap, count, out->typed_data() + h * count);
-  });
+  }, /*linger=*/true);  // the rerank kernel follows
   return ffi::Error::Success();
 }
 
@@ -409,7 +409,7 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
         est[i] = norm * estimate_row<kChunks>(queries[h], s + r * n_sub, mag + r * kRowBytes, sc[r],
                                               wc + r * weight_bytes);
       }
-    });
+    }, /*linger=*/true);  // the final top-k follows
   };
   switch (p / 16) {  // 1, 2, 4 or 8, checked above
     case 1: rerank_rows(std::integral_constant<int64_t, 1>()); break;
@@ -474,7 +474,8 @@ ffi::Error top_k(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> values, ffi::Result
   if (k < 1 || k > c || product(od, 0, od.size() - 1) != batch)
     return ffi::Error::InvalidArgument("top_k: need 1 <= k <= C and the same batch axes");
   parallel_for(pool, batch,
-               [&](int64_t h) { top_k_row(values.typed_data() + h * c, c, k, out->typed_data() + h * k); });
+               [&](int64_t h) { top_k_row(values.typed_data() + h * c, c, k, out->typed_data() + h * k); },
+               /*linger=*/true);  // ParisKV attends the rows next
   return ffi::Error::Success();
 }
 
