@@ -44,6 +44,11 @@ using jaxkv_native::product;
 // The bucket of `code`, clamped to the table's n_buckets.
 int64_t bucket_of(int32_t code, int64_t n_buckets) { return std::clamp<int64_t>(code, 0, n_buckets - 1); }
 
+// Where table t's bucket of `code` starts, in the tables' starts [L, n_buckets + 1].
+const int32_t* bucket_start(const int32_t* starts, int64_t t, int64_t n_buckets, int32_t code) {
+  return starts + t * (n_buckets + 1) + bucket_of(code, n_buckets);
+}
+
 // The bucket [lo, hi) of `code` in one table's starts[n_buckets + 1], clamped to the id list.
 std::pair<int64_t, int64_t> bucket_range(const int32_t* starts, int64_t n_buckets, int32_t code, int64_t cap) {
   const int64_t b = bucket_of(code, n_buckets);
@@ -118,12 +123,12 @@ void simhash_codes(ffi::ThreadPool& pool, const float* x, int64_t n_queries, int
 std::pair<int32_t, int32_t> tables_read(const int32_t* starts, int64_t n_buckets, const int32_t* codes,
                                         int64_t n_tables, int64_t limit) {
   for (int64_t t = 0; t < n_tables; ++t) {
-    const int32_t* start = starts + t * (n_buckets + 1) + bucket_of(codes[t], n_buckets);
+    const int32_t* start = bucket_start(starts, t, n_buckets, codes[t]);
     prefetch_lines(start, start + 2);
   }
   int64_t running = 0, tables = 0, read = 0;
   for (int64_t t = 0; t < n_tables; ++t) {
-    const int32_t* start = starts + t * (n_buckets + 1) + bucket_of(codes[t], n_buckets);
+    const int32_t* start = bucket_start(starts, t, n_buckets, codes[t]);
     running += start[1] - start[0];
     if (running <= limit) ++tables, read = running;
   }
@@ -193,7 +198,7 @@ int64_t sample_head(const int32_t* ids, const int32_t* starts, const int32_t* co
   // the misses of all tables overlap.
   constexpr int64_t kEntriesAhead = 64;  // four cache lines of ids
   for (int64_t t = 0; t < tables; ++t) {
-    const int32_t* start = starts + t * (n_buckets + 1) + bucket_of(codes[t], n_buckets);
+    const int32_t* start = bucket_start(starts, t, n_buckets, codes[t]);
     prefetch_lines(start, start + 1);
   }
   thread_local std::vector<std::pair<int64_t, int64_t>> ranges;

@@ -96,20 +96,17 @@ inline void parallel_for(ffi::ThreadPool& pool, int64_t n, const Fn& fn, bool li
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
   Handoff& h = handoff();
-  Offer* offer = nullptr;
-  for (int64_t i = 0; i < helpers; ++i) {
+  Offer* offer = nullptr;  // one helper's share, offered to a lingering one if one waits
+  if (helpers > 0 && h.lingering.load() > 0) {
     Offer* expected = nullptr;
-    Offer* candidate = h.lingering.load() > 0 && !offer ? new Offer{work, linger} : nullptr;
-    if (candidate && h.offered.compare_exchange_strong(expected, candidate)) {
-      offer = candidate;
-      continue;
-    }
-    delete candidate;
+    offer = new Offer{work, linger};
+    if (!h.offered.compare_exchange_strong(expected, offer)) delete offer, offer = nullptr;
+  }
+  for (int64_t i = offer ? 1 : 0; i < helpers; ++i)
     pool.Schedule([work, linger] {
       work();
       if (linger) linger_for_offers();
     });
-  }
   work();
   while (progress->done.load(std::memory_order_acquire) < n) _mm_pause();
   if (offer && h.offered.compare_exchange_strong(offer, nullptr)) delete offer;  // never taken
