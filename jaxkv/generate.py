@@ -145,7 +145,7 @@ def prefill_prompts(params, config, prompts, *, capacity: int, prefill_chunk: in
     params = sharding.shard_params(params, config, mesh, batch=len(rows))
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-    dtype = dtype or jax.tree_util.tree_leaves(params)[0].dtype
+    dtype = dtype or models.activation_dtype(params)
     t0 = time.perf_counter()
     staging, first_logits = prefill(params, config, rows, capacity, prefill_chunk, dtype, mesh)
     jax.block_until_ready(first_logits)

@@ -149,6 +149,9 @@ def shard_params(params: models.Params, config: models.ModelConfig, mesh: Mesh |
     """Parameters on the mesh (unchanged without one), after validate_mesh(mesh, config, batch)."""
     if mesh is None:
         return params
+    if models.quantized.is_quantized(params):
+        raise ValueError("weights held in GGUF blocks (models.load(..., keep_quantized=True)) are not split over "
+                         "a mesh; load them dequantised (keep_quantized=False) to shard them")
     validate_mesh(mesh, config, batch)
     return place(params, param_specs(params, mesh), mesh)
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from models import quantized
 from models.config import ModelConfig
 from models.errors import ModelError, ModelNotFoundError
 from models.params import Params, check_params, check_tree, param_shapes, params_from_dict, params_to_dict
@@ -35,10 +36,15 @@ _FORMAT = "jaxkv-model/1"
 
 
 def save(path, config: ModelConfig, params: Params, tokenizer: Tokenizer | None = None) -> None:
-    """Write a checkpoint directory at ``path`` (which must not exist yet), atomically."""
+    """Write a checkpoint directory at ``path`` (which must not exist yet), atomically.
+
+    Weight matrices held in GGUF blocks (:mod:`models.quantized`) are saved as the
+    float32 arrays they stand for.
+    """
     path = pathlib.Path(path)
     if path.exists():
         raise FileExistsError(f"checkpoint path {path} already exists; choose a new path or remove it")
+    params = quantized.dequantize_params(params)
     dtype = _uniform_dtype(params)
     check_params(config, params, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.errors import ModelError
+from models import quantized
 from models.params import LayerParams, Params, layer_params, layers_are_split
 from models.rope import apply_rope, inverse_frequencies
 
@@ -232,7 +233,7 @@ def forward_hidden(params: Params, config: ModelConfig, tokens, positions, state
     """
     _check_tokens(tokens, positions)
     inv_freq = inverse_frequencies(config)
-    x = jnp.take(params.embed, tokens, axis=0)
+    x = quantized.take_rows(params.embed, tokens)
 
     def layer_step(x, layer, state, attend):
         return _layer(layer, config, inv_freq, x, positions, state, attend)
@@ -267,7 +268,7 @@ def forward_hidden(params: Params, config: ModelConfig, tokens, positions, state
 def lm_head(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits [..., V] in float32 from final hidden states [..., D]."""
     unembed = params.embed if config.tie_word_embeddings else params.unembed
-    return jnp.einsum("...d,vd->...v", hidden, unembed, preferred_element_type=jnp.float32)
+    return quantized.unembed(hidden, unembed)
 
 
 def forward(params: Params, config: ModelConfig, tokens, cache: KVCache | None = None, *, positions=None):
@@ -341,18 +342,23 @@ def _layer(layer: LayerParams, config: ModelConfig, inv_freq, x, positions, stat
         q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     out, state = attention(q, k, v, positions, state)
-    attn = jnp.einsum("bthk,hkd->btd", out.astype(x.dtype), layer.wo)
+    attn = quantized.contract(out.astype(x.dtype), layer.wo, 2, "bthk,hkd->btd")
     if layer.bo is not None:
         attn = attn + layer.bo
     x = x + attn
     h = rms_norm(x, layer.mlp_norm, eps)
-    gated = jax.nn.silu(h @ layer.w_gate) * (h @ layer.w_up)
-    return x + gated @ layer.w_down, state
+    gated = jax.nn.silu(_matmul(h, layer.w_gate)) * _matmul(h, layer.w_up)
+    return x + _matmul(gated, layer.w_down), state
+
+
+def _matmul(h, w):
+    """h [..., D] @ w [D, F] (an array or a QuantizedMatrix)."""
+    return quantized.contract(h, w, 1, "...d,df->...f")
 
 
 def _project(h, w, bias):
     """h [B, T, D] through w [D, H, hd] (+ bias [H, hd]) -> [B, T, H, hd]."""
-    out = jnp.einsum("btd,dhk->bthk", h, w)
+    out = quantized.contract(h, w, 1, "btd,dhk->bthk")
     return out if bias is None else out + bias
 
 

@@ -15,6 +15,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
+from models import quantized
 from models.config import ModelConfig
 from models.errors import ModelError, ModelNotFoundError
 from models.hf import params_from_hf_tensors
@@ -45,8 +46,13 @@ _LAYER_NAMES = {
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def load_gguf(path, dtype=jnp.float32):
-    """(config, params, tokenizer) from a llama.cpp GGUF file (weights dequantised to ``dtype``)."""
+def load_gguf(path, dtype=jnp.float32, *, keep_quantized: bool = False):
+    """(config, params, tokenizer) from a llama.cpp GGUF file (weights dequantised to ``dtype``).
+
+    ``keep_quantized``: weight matrices stored as Q4_1 or Q8_0 stay in their blocks
+    (:class:`models.quantized.QuantizedMatrix`, the decoder computes in float32 from
+    them); the rest is dequantised to ``dtype``.
+    """
     path = pathlib.Path(path)
     if not path.is_file():
         raise ModelNotFoundError(f"no GGUF file at {path}")
@@ -62,9 +68,13 @@ def load_gguf(path, dtype=jnp.float32):
 
     def get_tensor(hf_name):
         tensor = tensors[by_hf_name[hf_name]]
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # GGUF lists dims fastest-first; numpy (and HF) want them slowest-first.
-        weights = weights.reshape(tuple(reversed([int(n) for n in tensor.shape])))
+        shape = tuple(reversed([int(n) for n in tensor.shape]))
+        fmt = tensor.tensor_type.name.lower()
+        if keep_quantized and len(shape) == 2 and fmt in quantized.BLOCK_BYTES:
+            weights = quantized.from_gguf_blocks(tensor.data, fmt, *shape)
+        else:
+            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         return _unpermute_qk(config, hf_name, weights)
 
     # The tokenizer first: an unsupported one fails before the slow dequantisation.
@@ -141,5 +151,7 @@ def _unpermute_qk(config: ModelConfig, hf_name: str, weights: np.ndarray) -> np.
         heads = config.num_kv_heads
     else:
         return weights
-    rows = weights.reshape(heads, config.head_dim // 2, 2, -1)
-    return rows.swapaxes(1, 2).reshape(weights.shape)
+    order = np.arange(weights.shape[0]).reshape(heads, config.head_dim // 2, 2).swapaxes(1, 2).reshape(-1)
+    if isinstance(weights, quantized.QuantizedMatrix):
+        return quantized.permute_rows(weights, order)
+    return weights[order]

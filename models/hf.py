@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from models import quantized
 from models.config import ModelConfig
 from models.errors import ModelError, ModelNotFoundError
 from models.params import param_shapes, params_from_dict
@@ -84,7 +85,7 @@ def params_from_hf_tensors(config: ModelConfig, names: Iterable[str], get_tensor
     """Validate the HF tensor names and shapes, then build Params in ``dtype``.
 
     names: every tensor the checkpoint holds; get_tensor(name) returns it
-    (numpy or jax) in HF layout. ``source`` names the checkpoint in errors.
+    (numpy or jax, or a :class:`~models.quantized.QuantizedMatrix` kept as is) in HF layout. ``source`` names the checkpoint in errors.
     """
     table = hf_tensor_table(config)
     names = set(names)
@@ -105,12 +106,16 @@ def params_from_hf_tensors(config: ModelConfig, names: Iterable[str], get_tensor
         if tuple(tensor.shape) != hf_shape(shape, n_in):
             raise ModelError(f"{source}: tensor {name!r}: expected shape {hf_shape(shape, n_in)}, "
                              f"found {tuple(tensor.shape)}")
-        converted = jnp.asarray(to_our_layout(tensor, shape, n_in), dtype=dtype)
+        if isinstance(tensor, quantized.QuantizedMatrix):
+            converted = quantized.in_our_layout(tensor, shape, n_in)
+        else:
+            converted = jnp.asarray(to_our_layout(tensor, shape, n_in), dtype=dtype)
         if path[0] == "layers":
             per_layer.setdefault(path[1], []).append(converted)
         else:
             tree[path[0]] = converted
-    tree["layers"] = {field: jnp.stack(layers) for field, layers in per_layer.items()}
+    tree["layers"] = {field: quantized.stack(layers) if isinstance(layers[0], quantized.QuantizedMatrix)
+                      else jnp.stack(layers) for field, layers in per_layer.items()}
     return params_from_dict(tree)
 
 

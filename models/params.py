@@ -72,6 +72,12 @@ def unstack_layers(params: Params, num_layers: int) -> Params:
     return dataclasses.replace(params, layers=tuple(layer_params(params, i) for i in range(num_layers)))
 
 
+def activation_dtype(params: Params):
+    """The dtype of activations and KV caches for these params: the final norm's (weight
+    matrices may be held in GGUF blocks, :mod:`models.quantized`)."""
+    return params.final_norm.dtype
+
+
 def layers_are_split(params: Params) -> bool:
     """Whether ``params`` holds one LayerParams per layer (:func:`unstack_layers`)."""
     return isinstance(params.layers, tuple)

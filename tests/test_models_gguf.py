@@ -143,11 +143,16 @@ def test_tokenizer_from_hf_directory_matches(smollm2, wiki_ids, tmp_path):
     assert models.Tokenizer.from_json(from_dir.to_json()).encode(text) == ours
 
 
-def test_greedy_answer_matches_transformers(smollm2):
-    """SmolLM2's greedy chat answer is identical, token for token, to transformers' on the same GGUF."""
+@pytest.mark.parametrize("weights", ["float32", "gguf blocks"])
+def test_greedy_answer_matches_transformers(smollm2, weights):
+    """SmolLM2's greedy chat answer is identical, token for token, to transformers' on the same
+    GGUF, with the weights dequantised and with them kept in their blocks (whose decode steps
+    run jaxkv.native's kernel where it builds)."""
     import jaxkv
 
     config, params, tokenizer, _, hf_model = smollm2
+    if weights == "gguf blocks":
+        params = models.load_gguf(models.default_model_path(), keep_quantized=True)[1]
     prompt = tokenizer.encode(tokenizer.apply_chat_template("What is the capital of France?"))
     ours = jaxkv.generate(params, config, [prompt], max_new_tokens=24).tokens[0]
     with torch.no_grad():

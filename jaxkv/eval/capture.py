@@ -55,7 +55,7 @@ def capture(params, config, tokens, n_queries: int = 64, chunk: int = 512) -> Ca
     if not 0 < n_queries <= n:
         raise ValueError(f"n_queries must be in [1, {n}] for a {n}-token text, got {n_queries}")
     padded = -(-n // chunk) * chunk
-    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    dtype = models.activation_dtype(params)
     kv = models.init_cache(config, 1, padded, dtype)
     q_buf = jnp.zeros((config.num_layers, 1, n_queries, config.num_heads, config.head_dim), dtype)
     state = (kv, q_buf)

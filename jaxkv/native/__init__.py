@@ -10,7 +10,8 @@ platform. :func:`available` says whether that worked;
 ``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank, final top-k and
 the attention over its rows in them; ``MagicPIGConfig(kernels="native")`` MagicPIG's
 query hash and bucket lookups, its sampling (which keys collide), the attention over the
-sample with its correction, and the insertion's merge.
+sample with its correction, and the insertion's merge; ``weights_cpu.cc`` the products
+with weight matrices kept in their GGUF blocks (``models.quantized``).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "Par
            "jaxkv_top_k": "TopK", "jaxkv_magicpig_query_buckets": "MagicpigQueryBuckets",
            "jaxkv_magicpig_collide": "MagicpigCollide",
            "jaxkv_magicpig_merge": "MagicpigMerge", "jaxkv_magicpig_attend": "MagicpigAttend",
-           "jaxkv_attend_rows": "AttendRows"}
+           "jaxkv_attend_rows": "AttendRows", "jaxkv_quantized_matmul": "QuantizedMatmul"}
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2")  # byte permutes for the votes, bit deposits
 
 
@@ -250,3 +251,14 @@ def magicpig_attend(q: jax.Array, keys: jax.Array, values: jax.Array, mu: jax.Ar
                 tables_used.astype(jnp.int32), k_bits=np.int64(K), min_hits=np.int64(min_hits),
                 tail_terms=np.int64(tail_terms), log_u_floor=np.float32(log_u_floor),
                 masked_score=np.float32(masked_score))
+
+
+def quantized_matmul(x: jax.Array, blocks: jax.Array, *, q4_1: bool) -> jax.Array:
+    """x float32 [..., M, K] times the [N, K] matrix whose GGUF blocks (Q4_1 if ``q4_1``,
+    else Q8_0) are blocks uint8 [..., N, K/32 · block bytes]: float32 [..., M, N], the
+    blocks expanded in registers. The dequantised matrix's sums up to float32 rounding."""
+    _load()
+    call = jax.ffi.ffi_call("jaxkv_quantized_matmul",
+                            jax.ShapeDtypeStruct((*x.shape[:-1], blocks.shape[-2]), jnp.float32),
+                            vmap_method="broadcast_all")
+    return call(x.astype(jnp.float32), blocks, q4_1=np.int64(q4_1))
