@@ -2,6 +2,7 @@
 
     python benchmarks/bench_decode.py [--contexts 2048 4096 8000] [--new-tokens 32] [--rounds 3]
                                       [--out results/bench_decode.json] [--no-transformers] [--native]
+                                      [--weights f32 gguf]
 
 For each context one prompt (real Wikipedia text) is prefilled once and shared
 by every method; each method decodes `new-tokens` tokens once to compile, then
@@ -12,6 +13,11 @@ layer once after loading (models.unstack_layers), so no call copies them. The de
 disabled so the sparse paths really run; ParisKV and MagicPIG use their default settings
 (MagicPIG keeps layers 0 and 16 dense). Reports tokens/s, the ratio to dense in
 the same run and the fraction of keys each method read.
+
+``--weights``: every method runs with the weights dequantised to float32 (``f32``) and/or
+kept in the GGUF's Q4_1 / Q8_0 blocks (``gguf``, ``models.load(..., keep_quantized=True)``:
+a decode step reads 96 MB of weights instead of 538 MB), all in the same rounds; each
+row's ratio is to dense with the same weights.
 
 The reference row is transformers (PyTorch, CPU, f32) on the same weights
 (dequantised from the same GGUF) and the same prompt: prefill, one warm-up
@@ -77,6 +83,8 @@ def main(argv=None):
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers reference row")
     parser.add_argument("--native", action="store_true",
                         help="add rows for MagicPIG and ParisKV with kernels='native' (jaxkv.native's CPU kernels)")
+    parser.add_argument("--weights", nargs="+", choices=("f32", "gguf"), default=["f32", "gguf"],
+                        help="weights dequantised to float32 and/or kept in the GGUF's blocks (both by default)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -86,54 +94,60 @@ def main(argv=None):
     from jaxkv.cache import CacheConfig
     from jaxkv.eval import text
 
-    config, params, tokenizer = models.load(models.default_model_path())
     # Split per layer once, as a server holding the model would: generate() otherwise
     # copies the stacked weights into per-layer arrays on every call, inside the
     # decode time (transformers' weights are per layer from loading on).
-    params = models.unstack_layers(params, config.num_layers)
+    weight_sets = {}
+    for weights in dict.fromkeys(args.weights):
+        config, params, tokenizer = models.load(models.default_model_path(), keep_quantized=weights == "gguf")
+        weight_sets[weights] = models.unstack_layers(params, config.num_layers)
     rows = []
     for n in args.contexts:
         _, ids = text.long_text(tokenizer, n)
         ids = list(ids[:n])
-        shared = jaxkv.prefill_prompts(params, config, [ids], capacity=n + args.new_tokens)
+        shared = {weights: jaxkv.prefill_prompts(params, config, [ids], capacity=n + args.new_tokens)
+                  for weights, params in weight_sets.items()}
 
-        def decode(method, mcfg):
+        def decode(weights, method, mcfg):
             kwargs = {} if mcfg is None else dict(method=method, method_config=mcfg,
                                                    cache_config=CacheConfig(dense_threshold=0))
-            return jaxkv.generate(params, config, None, max_new_tokens=args.new_tokens, eos_ids=(),
-                                  prefilled=shared, **kwargs)
+            return jaxkv.generate(weight_sets[weights], config, None, max_new_tokens=args.new_tokens, eos_ids=(),
+                                  prefilled=shared[weights], **kwargs)
 
-        runs = methods(args.native)
-        last = {name: decode(*spec) for name, spec in runs.items()}  # compile
-        speeds = {name: [] for name in runs}
+        runs = {(weights, name): (weights, *spec) for weights in weight_sets for name, spec in methods(args.native).items()}
+        last = {run: decode(*spec) for run, spec in runs.items()}  # compile
+        speeds = {run: [] for run in runs}
         for _ in range(args.rounds):
-            for name, spec in runs.items():
-                last[name] = decode(*spec)
-                speeds[name].append(last[name].decode_tokens_per_second)
-        for name, out in last.items():
+            for run, spec in runs.items():
+                last[run] = decode(*spec)
+                speeds[run].append(last[run].decode_tokens_per_second)
+        for (weights, name), out in last.items():
             read = out.keys_read_fraction[0] if out.keys_read_fraction else 1.0
-            rows.append({"context": n, "method": name, "decode_tok_s": float(np.median(speeds[name])),
-                         "rounds_tok_s": speeds[name], "keys_read_fraction": read})
-            print(f"context {n} {name}: {np.median(speeds[name]):.2f} tok/s (rounds {min(speeds[name]):.2f}–"
-                  f"{max(speeds[name]):.2f}), read {read:.1%}", flush=True)
-        dense_tokens = last["dense"].tokens[0]
+            tok_s = speeds[weights, name]
+            rows.append({"context": n, "method": name, "weights": weights, "decode_tok_s": float(np.median(tok_s)),
+                         "rounds_tok_s": tok_s, "keys_read_fraction": read,
+                         "same_tokens_as_dense": out.tokens == last[weights, "dense"].tokens})
+            print(f"context {n} {name} ({weights} weights): {np.median(tok_s):.2f} tok/s (rounds {min(tok_s):.2f}–"
+                  f"{max(tok_s):.2f}), read {read:.1%}", flush=True)
         if not args.no_transformers:
             ref = transformers_decode(ids, args.new_tokens)
-            rows.append({"context": n, "method": "transformers", "decode_tok_s": ref["decode_tok_s"],
-                         "keys_read_fraction": 1.0, "same_tokens_as_dense": ref["tokens"] == dense_tokens,
+            same = {weights: ref["tokens"] == last[weights, "dense"].tokens[0] for weights in weight_sets}
+            rows.append({"context": n, "method": "transformers", "weights": "f32", "decode_tok_s": ref["decode_tok_s"],
+                         "keys_read_fraction": 1.0, "same_tokens_as_dense": same,
                          "torch": ref["torch"], "torch_threads": ref["torch_threads"]})
             print(f"context {n} transformers: {ref['decode_tok_s']:.2f} tok/s, same greedy tokens as "
-                  f"jaxkv dense: {ref['tokens'] == dense_tokens}", flush=True)
-    dense = {r["context"]: r["decode_tok_s"] for r in rows if r["method"] == "dense"}
-    print("| context | method | decode tok/s | × dense | keys read |\n|---|---|---|---|---|")
+                  f"jaxkv dense: {same}", flush=True)
+    dense = {(r["context"], r["weights"]): r["decode_tok_s"] for r in rows if r["method"] == "dense"}
+    print("| context | method | weights | decode tok/s | × dense (same weights) | keys read |\n|---|---|---|---|---|---|")
     for r in rows:
-        r["vs_dense"] = r["decode_tok_s"] / dense[r["context"]]
-        print(f"| {r['context']} | {r['method']} | {r['decode_tok_s']:.2f} | {r['vs_dense']:.2f} | "
+        # transformers' ratio is to jaxkv dense on the first weights listed
+        r["vs_dense"] = r["decode_tok_s"] / dense.get((r["context"], r["weights"]), dense[r["context"], args.weights[0]])
+        print(f"| {r['context']} | {r['method']} | {r['weights']} | {r['decode_tok_s']:.2f} | {r['vs_dense']:.2f} | "
               f"{r['keys_read_fraction']:.1%} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(["python", *sys.argv]), "machine": platform.machine(), "jax": jax.__version__,
-            "new_tokens": args.new_tokens, "rounds": args.rounds}
+            "new_tokens": args.new_tokens, "rounds": args.rounds, "weights": args.weights}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {out}")
 
