@@ -25,7 +25,7 @@ KERNEL_MAX_ROWS = 16  # more rows (a prefill): dequantise once and let XLA's GEM
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: its blocks are an array
 class QuantizedMatrix:
     """An [N, K] matrix (N outputs, K inputs, as HF and GGUF store it) in GGUF blocks.
 
