@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from models import quantized
 from models.config import ModelConfig
 from models.errors import ModelError
-from models import quantized
 from models.params import LayerParams, Params, layer_params, layers_are_split
 from models.rope import apply_rope, inverse_frequencies
 
