@@ -2,8 +2,8 @@
 (``magicpig_cpu.cc``), as XLA FFI custom calls.
 
 The library is compiled on first use with the system C++ compiler against the XLA
-FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 with VBMI
-and BMI2) and linked with glibc's vector math (libmvec, glibc 2.35 or later), cached
+FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 with VBMI,
+BMI2 and GFNI) and linked with glibc's vector math (libmvec, glibc 2.35 or later), cached
 under ``$JAXKV_NATIVE_CACHE`` (default ``~/.cache/jaxkv/native``) by a digest of the
 sources, the compiler command and this CPU, and registered with ``jax.ffi`` for the CPU
 platform. :func:`available` says whether that worked;
@@ -36,7 +36,7 @@ TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "Par
            "jaxkv_magicpig_collide": "MagicpigCollide",
            "jaxkv_magicpig_merge": "MagicpigMerge", "jaxkv_magicpig_attend": "MagicpigAttend",
            "jaxkv_attend_rows": "AttendRows", "jaxkv_quantized_matmul": "QuantizedMatmul"}
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2")  # byte permutes for the votes, bit deposits
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2", "gfni")  # byte permutes, bit deposits, bit transposes
 
 
 class NativeUnavailable(RuntimeError):

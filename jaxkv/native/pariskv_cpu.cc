@@ -9,7 +9,8 @@
 // XLA CPU runs the votes as int32 gathers, and the estimate as seven selects per
 // coordinate over gathered copies of the rows. Here the vote table is bytes: with B = 8
 // subspaces, 64 rows' votes take 16 byte permutes (AVX-512 VBMI); the estimate reads
-// each row in place with one 16-entry permute per 16 coordinates. Heads and blocks of
+// each row in place, a bit transpose (GFNI) giving every coordinate's sign and cell and
+// one 16-entry permute per 16 coordinates its ±centre. Heads and blocks of
 // rows are split over XLA's intra-op thread pool. Every leading axis of the arguments is
 // a batch axis (vmap, broadcast_all).
 
@@ -295,66 +296,62 @@ float bf16_to_f32(uint16_t x) {
   return f;
 }
 
-uint16_t load_u16(const uint8_t* p) {
-  uint16_t x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-
-// One row's estimate. m = 8, so coordinates 16c … 16c+15 are the bits of bytes 2c and
-// 2c+1 of the sign row and of each magnitude plane; lane l of chunk c is coordinate
-// 16c + l, of subspace 2c + l/8. `signed_centres` holds ±centre by nibble
-// (negative << 3 | cell), as in the Pallas kernel.
+// One row's estimate. m = 8, so coordinate 8b + j is bit j of byte b of the sign row and
+// of each magnitude plane. A byte permute lays the row out as one qword per subspace,
+// bytes [.., .., .., .., sign, plane 2, plane 1, plane 0], and a GF(2) affine transform
+// with unit vectors (an 8×8 bit transpose per qword) turns it into one byte per
+// coordinate: positive << 3 | cell, the index into ±centre. Dword j of a group of 64
+// coordinates then holds coordinates 4j … 4j+3 in its four bytes; the float permute reads
+// only an index's low four bits, so shifting the dword by 8t selects coordinate 4j + t.
 struct RerankQuery {
-  __m512 q[8];  // the rotated query by chunk of 16 coordinates (P <= 128)
-  __m512 signed_centres;
+  __m512 q[2][4];  // [group of 64 coordinates][t]: lane j = the rotated query's 64g + 4j + t (0 past P)
+  __m512 signed_centres;  // [positive << 3 | cell]: −centre, then +centre
 };
 
-// w_b = scale × 4-bit multiple b, in lane b (B <= 16): nibble b sits at bit 4b of the
-// row's weight bytes read as one little-endian word.
-__m512 subspace_weights(const uint8_t* weight_codes, int64_t weight_bytes, uint16_t scale) {
-  uint64_t word = 0;
-  if (weight_bytes == 4) {  // B = 8 and 16 (d = 64, 128): fixed-size copies, no call
-    uint32_t low;
-    std::memcpy(&low, weight_codes, 4);
-    word = low;
-  } else if (weight_bytes == 8) {
-    std::memcpy(&word, weight_codes, 8);
-  } else {
-    std::memcpy(&word, weight_codes, weight_bytes);
+template <int64_t kChunks>  // P = 16 kChunks coordinates, B = 2 kChunks subspaces
+struct RowLayout {
+  static constexpr int64_t kPlaneBytes = 2 * kChunks, kGroups = (kChunks + 3) / 4;
+  // Byte indices into (magnitude row | sign row) for group g: qword k gathers subspace 8g + k
+  // (clamped into the row for P < 64: those lanes meet a zero query).
+  static __m512i permute(int64_t g) {
+    alignas(64) uint8_t index[64];
+    for (int64_t k = 0; k < 8; ++k) {
+      const auto b = static_cast<uint8_t>(std::min(8 * g + k, kPlaneBytes - 1));
+      const uint8_t sign = 64 + b;  // bit 6: the second table
+      const uint8_t bytes[8] = {sign, sign, sign, sign, sign, static_cast<uint8_t>(2 * kPlaneBytes + b),
+                                static_cast<uint8_t>(kPlaneBytes + b), b};
+      std::memcpy(index + 8 * k, bytes, 8);
+    }
+    return _mm512_load_si512(index);
   }
-  const __m512i halves = _mm512_inserti64x4(_mm512_set1_epi32(static_cast<uint32_t>(word)),
-                                            _mm256_set1_epi32(static_cast<uint32_t>(word >> 32)), 1);
-  const __m512i shift = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
-  const __m512i multiple = _mm512_and_si512(_mm512_srlv_epi32(halves, shift), _mm512_set1_epi32(15));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(multiple), _mm512_set1_ps(bf16_to_f32(scale)));
-}
+};
 
-// kChunks = P / 16 at compile time: the loop unrolls and the plane offsets are constants
-// (with P read at run time, every chunk paid a loop test and computed offsets).
+// Σ_b w_b Σ_{i in b} q_i · ±centre[cell_i] for one row, w_b = the row's 4-bit multiple b (the
+// scale is applied by the caller).
 template <int64_t kChunks>
-float estimate_row(const RerankQuery& rq, const uint8_t* signs, const uint8_t* planes, uint16_t scale,
+float estimate_row(const RerankQuery& rq, const __m512i (&permute)[2], const uint8_t* signs, const uint8_t* planes,
                    const uint8_t* weight_codes) {
-  constexpr int64_t plane_bytes = 2 * kChunks;
-  const __m512 w = subspace_weights(weight_codes, kChunks, scale);  // B = 2 kChunks nibbles
-  const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2), four = _mm512_set1_epi32(4),
-                eight = _mm512_set1_epi32(8);
-  const __m512i lane_subspace = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512 acc = _mm512_setzero_ps();
-#pragma GCC unroll 8
-  for (int64_t c = 0; c < kChunks; ++c) {
-    const __mmask16 bit0 = load_u16(planes + 2 * c), bit1 = load_u16(planes + plane_bytes + 2 * c),
-                    bit2 = load_u16(planes + 2 * plane_bytes + 2 * c),
-                    negative = static_cast<__mmask16>(~load_u16(signs + 2 * c));
-    __m512i nibble = _mm512_maskz_mov_epi32(bit0, one);
-    nibble = _mm512_mask_or_epi32(nibble, bit1, nibble, two);
-    nibble = _mm512_mask_or_epi32(nibble, bit2, nibble, four);
-    nibble = _mm512_mask_or_epi32(nibble, negative, nibble, eight);
-    const __m512i subspace = _mm512_add_epi32(lane_subspace, _mm512_set1_epi32(2 * c));
-    const __m512 qw = _mm512_mul_ps(rq.q[c], _mm512_permutexvar_ps(subspace, w));
-    acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(nibble, rq.signed_centres), qw, acc);
+  using Layout = RowLayout<kChunks>;
+  const __m512i magnitude_row = _mm512_maskz_loadu_epi8((1ull << (kMagnitudeBits * Layout::kPlaneBytes)) - 1, planes);
+  const __m512i sign_row = _mm512_maskz_loadu_epi8((1ull << Layout::kPlaneBytes) - 1, signs);
+  uint64_t multiples = 0;  // nibble b = w_b; B/2 = kChunks bytes
+  std::memcpy(&multiples, weight_codes, kChunks);
+  const __m512i unit = _mm512_set1_epi64(0x8040201008040201ull);  // byte j = 1 << j
+  const __m512i nibble_shift = _mm512_set_epi32(28, 28, 24, 24, 20, 20, 16, 16, 12, 12, 8, 8, 4, 4, 0, 0);
+  __m512 total = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t g = 0; g < Layout::kGroups; ++g) {
+    const __m512i cells = _mm512_gf2p8affine_epi64_epi8(unit, _mm512_permutex2var_epi8(magnitude_row, permute[g], sign_row), 0);
+    __m512 sum = _mm512_mul_ps(_mm512_permutexvar_ps(cells, rq.signed_centres), rq.q[g][0]);
+    sum = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(cells, 8), rq.signed_centres), rq.q[g][1], sum);
+    sum = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(cells, 16), rq.signed_centres), rq.q[g][2], sum);
+    sum = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(cells, 24), rq.signed_centres), rq.q[g][3], sum);
+    const __m512i w = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<uint32_t>(multiples >> (32 * g))), nibble_shift),
+        _mm512_set1_epi32(15));  // lane j: subspace 8g + j/2
+    total = _mm512_fmadd_ps(sum, _mm512_cvtepi32_ps(w), total);
   }
-  return _mm512_reduce_add_ps(acc);
+  return _mm512_reduce_add_ps(total);
 }
 
 ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::U8> magnitudes,
@@ -376,16 +373,22 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
   for (int64_t h = 0; h < batch; ++h) {
     RerankQuery& rq = queries[h];
     const float* q = q_rot.typed_data() + h * p;
-    for (int64_t c = 0; c < p / 16; ++c) rq.q[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int64_t g = 0; g < 2; ++g)
+      for (int64_t t = 0; t < 4; ++t) {
+        alignas(64) float lanes[16];
+        for (int64_t j = 0; j < 16; ++j) lanes[j] = 64 * g + 4 * j + t < p ? q[64 * g + 4 * j + t] : 0.0f;
+        rq.q[g][t] = _mm512_load_ps(lanes);
+      }
     alignas(64) float table[16];
     const float* centre = centres.typed_data() + h * 8;
-    for (int i = 0; i < 8; ++i) table[i] = centre[i], table[8 + i] = -centre[i];
+    for (int i = 0; i < 8; ++i) table[i] = -centre[i], table[8 + i] = centre[i];
     rq.signed_centres = _mm512_load_ps(table);
   }
   // Items of kRerankRows candidates of one head, split over the threads.
   constexpr int64_t kRerankRows = 512;
   const auto rerank_rows = [&](auto chunks) {
     constexpr int64_t kChunks = decltype(chunks)::value, kRowBytes = kMagnitudeBits * 2 * kChunks;
+    const __m512i permute[2] = {RowLayout<kChunks>::permute(0), RowLayout<kChunks>::permute(1)};
     parallel_chunks(pool, batch, count, kRerankRows, [&](int64_t h, int64_t begin, int64_t end) {
       const uint8_t* s = signs.typed_data() + h * cap * n_sub;
       const uint8_t* mag = magnitudes.typed_data() + h * cap * kRowBytes;
@@ -406,8 +409,8 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
           prefetch_lines(mag + ahead * kRowBytes, mag + (ahead + 1) * kRowBytes);
         }
         const int64_t r = std::clamp<int64_t>(row[i], 0, cap - 1);
-        est[i] = norm * estimate_row<kChunks>(queries[h], s + r * n_sub, mag + r * kRowBytes, sc[r],
-                                              wc + r * weight_bytes);
+        est[i] = norm * bf16_to_f32(sc[r]) *
+                 estimate_row<kChunks>(queries[h], permute, s + r * n_sub, mag + r * kRowBytes, wc + r * weight_bytes);
       }
     }, /*linger=*/true);  // the final top-k follows
   };
