@@ -8,8 +8,9 @@
 //   Q4_1: {d, m, 16 bytes: input j's code in the low nibble of byte j, input j+16's in the
 //          high nibble}; weight = d*q + m, q in [0, 15]
 //   Q8_0: {d, 32 int8 codes}; weight = d*q
-// Row n of the output is sum_b d_b*(q_b . x_b) (+ m_b*sum(x_b) for Q4_1): the same sums as
-// the dequantised matrix's, in another order.
+// Row n of the output is sum_b w_b . x_b for Q4_1 (a block's weights formed in registers)
+// and sum_b d_b*(q_b . x_b) for Q8_0: the dequantised matrix's products, summed in another
+// order.
 
 #include <cstring>
 
@@ -30,21 +31,21 @@ inline float half_to_float(const uint8_t* p) {
 
 inline float horizontal_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-// One output row of Q4_1 blocks against one input row x (with block sums xsum).
-inline float row_q4_1(const uint8_t* row, int64_t blocks, const float* x, const float* xsum) {
-  __m512 acc = _mm512_setzero_ps();
-  float offset = 0.f;
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+// One output row of Q4_1 blocks against one input row x. A block's 16 weights d*q + m,
+// q in [0, 15], are one register: each code picks its weight by a float permute (which
+// reads an index's low four bits, so the high nibble is the code shifted down by 4). The
+// two halves of a block go to two sums, so consecutive blocks do not wait on one add.
+inline float row_q4_1(const uint8_t* row, int64_t blocks, const float* x) {
+  __m512 low_sum = _mm512_setzero_ps(), high_sum = _mm512_setzero_ps();
+  const __m512 q = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t b = 0; b < blocks; ++b, row += kQ41Bytes) {
-    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 4));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(codes, low_nibbles)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(codes, 4), low_nibbles)));
-    const __m512 dot = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + b * kBlock + 16),
-                                       _mm512_mul_ps(lo, _mm512_loadu_ps(x + b * kBlock)));
-    acc = _mm512_fmadd_ps(dot, _mm512_set1_ps(half_to_float(row)), acc);
-    offset += half_to_float(row + 2) * xsum[b];
+    const __m512 weight = _mm512_fmadd_ps(_mm512_set1_ps(half_to_float(row)), q, _mm512_set1_ps(half_to_float(row + 2)));
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 4)));
+    low_sum = _mm512_fmadd_ps(_mm512_permutexvar_ps(codes, weight), _mm512_loadu_ps(x + b * kBlock), low_sum);
+    high_sum = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), weight),
+                               _mm512_loadu_ps(x + b * kBlock + 16), high_sum);
   }
-  return horizontal_sum(acc) + offset;
+  return horizontal_sum(_mm512_add_ps(low_sum, high_sum));
 }
 
 // One output row of Q8_0 blocks against one input row x.
@@ -74,12 +75,6 @@ ffi::Error quantized_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const int64_t batch = product(xd, 0, rank - 2);
   if (product(bd, 0, rank - 2) != batch) return ffi::Error::InvalidArgument("x and blocks need the same batch axes");
 
-  // Q4_1's offsets need each input block's sum, once per input row.
-  std::unique_ptr<float[]> xsum(new float[batch * rows * blocks_per_row]);
-  for (int64_t i = 0; i < batch * rows * blocks_per_row; ++i) {
-    const float* xb = x.typed_data() + i * kBlock;
-    xsum[i] = horizontal_sum(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
-  }
   const int64_t items_per_matrix = (n + kRowsPerItem - 1) / kRowsPerItem;
   parallel_for(pool, batch * items_per_matrix, [&](int64_t item) {
     const int64_t matrix = item / items_per_matrix, first = item % items_per_matrix * kRowsPerItem;
@@ -89,8 +84,7 @@ ffi::Error quantized_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t input = matrix * rows + r;
         const float* xr = x.typed_data() + input * k;
-        y->typed_data()[input * n + out] = q4_1 ? row_q4_1(row, blocks_per_row, xr, xsum.get() + input * blocks_per_row)
-                                                : row_q8_0(row, blocks_per_row, xr);
+        y->typed_data()[input * n + out] = q4_1 ? row_q4_1(row, blocks_per_row, xr) : row_q8_0(row, blocks_per_row, xr);
       }
     }
   });
