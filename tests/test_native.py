@@ -182,14 +182,16 @@ def test_native_pariskv_attends_its_rows_in_place(d, top_k, n):
 
 # The window is a ring of W + U = 300 slots (two of the kernel's 256-slot blocks): full,
 # wrapped at slot 7, partly filled and wrapped (its unused slots hold keys that must not
-# count), and holding one row.
-@pytest.mark.parametrize("win_start, win_len", [(0, 300), (7, 300), (250, 120), (299, 1)])
-def test_native_window_partial_is_the_xla_partial(win_start, win_len):
+# count), and holding one row; a bfloat16 cache's window too.
+@pytest.mark.parametrize("win_start, win_len, dtype", [(0, 300, jnp.float32), (7, 300, jnp.float32),
+                                                     (250, 120, jnp.float32), (299, 1, jnp.float32),
+                                                     (7, 300, jnp.bfloat16), (250, 120, jnp.bfloat16)])
+def test_native_window_partial_is_the_xla_partial(win_start, win_len, dtype):
     b, h, d, prompt = 2, 3, 64, 700
     mcfg = dataclasses.replace(CFG, sink=4, local=200)
     ccfg = CacheConfig(sink=4, local=200, buffer=100, dense_threshold=0).resolve(mcfg)
-    keys = _keys(30, (b, h, prompt, d))
-    state = kvcache.regions_from_prefill(keys, _keys(31, keys.shape), jnp.full((b,), prompt, jnp.int32),
+    keys = _keys(30, (b, h, prompt, d)).astype(dtype)
+    state = kvcache.regions_from_prefill(keys, _keys(31, keys.shape).astype(dtype), jnp.full((b,), prompt, jnp.int32),
                                          method=pariskv, mcfg=mcfg, ccfg=ccfg, capacity=prompt,
                                          key=jax.random.key(0))
     state = dataclasses.replace(state, win_start=jnp.full((b,), win_start, jnp.int32),
@@ -200,6 +202,44 @@ def test_native_window_partial_is_the_xla_partial(win_start, win_len):
     got = exact(q, state, method=pariskv, mcfg=mcfg)
     want = exact(q, state, method=pariskv, mcfg=dataclasses.replace(mcfg, kernels="xla"))
     _assert_partials_close(got, want)
+
+
+# bfloat16 rows are widened in registers, exactly: the partial of bfloat16 rows is the
+# partial of their float32 values, bit for bit, with and without MagicPIG's correction.
+# d = 64 and 128 (whole 16-lane vectors), 24 and 80 (a vector's lanes in part, the
+# products' scalar tails); 600 selected rows: three of the kernel's 256-slot blocks.
+@pytest.mark.parametrize("d", [64, 128, 24, 80])
+def test_native_attention_reads_bfloat16_rows_as_their_float32_values(d):
+    heads, cap, count = 3, 2000, 600
+    keys, values = _keys(40, (cap, d)).astype(jnp.bfloat16), _keys(41, (cap, d)).astype(jnp.bfloat16)
+    q = _keys(42, (heads, d)) * 0.3
+    idx = jnp.asarray(np.sort(np.random.default_rng(43).choice(cap, count, replace=False)), jnp.int32)
+    mask = jnp.asarray(np.random.default_rng(44).random((heads, count)) < 0.5)
+    mu = jnp.mean(keys.astype(jnp.float32), axis=0)
+    used = jnp.full((heads,), 150, jnp.int32)
+
+    def both(rows_k, rows_v):
+        correction = dict(K=10, min_hits=2, tail_terms=magicpig.TAIL_TERMS, log_u_floor=magicpig.LOG_U_FLOOR)
+        return (native.attend_rows(q, rows_k, rows_v, idx, mask, masked_score=common.MASKED_SCORE),
+                native.magicpig_attend(q, rows_k, rows_v, mu, idx, mask, used, masked_score=common.MASKED_SCORE,
+                                       **correction))
+
+    got = both(keys, values)
+    want = both(keys.astype(jnp.float32), values.astype(jnp.float32))
+    for got_partial, want_partial in zip(got, want):
+        for got_x, want_x in zip(got_partial, want_partial):
+            np.testing.assert_array_equal(got_x, want_x)
+    # and the partial is the gathered rows' (attend_rows: no correction)
+    exact = common.partial_attention(q, keys[idx], values[idx], mask)
+    _assert_partials_close(common.Partial(*got[0]), exact)
+
+
+def test_native_attention_refuses_other_row_types():
+    q, idx, mask = _keys(45, (2, 64)), jnp.arange(8, dtype=jnp.int32), jnp.ones((2, 8), bool)
+    rows = _keys(46, (16, 64))
+    for keys, values in ((rows, rows.astype(jnp.bfloat16)), (rows.astype(jnp.float16), rows.astype(jnp.float16))):
+        with pytest.raises(Exception, match="both float32 or both bfloat16"):
+            jax.block_until_ready(native.attend_rows(q, keys, values, idx, mask, masked_score=common.MASKED_SCORE))
 
 
 def test_native_mode_is_validated():
@@ -222,11 +262,16 @@ def test_native_mode_is_validated():
     ("pariskv", pariskv.ParisKVConfig(top_k=12, sink=2, local=4, buffer=3)),
     ("magicpig", magicpig.MagicPIGConfig(K=4, L=8, sink=2, local=4, dense_layers=(), capacity=0.5,
                                          candidate_capacity=1.0))])
-def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer, method, mcfg):  # noqa: F811
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer, method, mcfg, dtype):  # noqa: F811
     """A sparse layer with no dense fallback: 24 keys in retrieval, the buffer (U = 3)
     flushed into the index three times in 9 steps (MagicPIG's merge in the kernel, its id
-    lists on the device; on the XLA path in host memory); the tiny model's d = 16 is P = 16."""
+    lists on the device; on the XLA path in host memory); the tiny model's d = 16 is P = 16.
+    A bfloat16 model's cache is bfloat16: the kernels read its rows in place."""
     config, params = one_layer
+    params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    module = {"pariskv": pariskv, "magicpig": magicpig}[method]
+    assert module.reads_rows_in_place(dataclasses.replace(mcfg, kernels="native"), jnp.zeros((1, 16), dtype))
     prompt = _prompts([30], seed=11)
     cache = CacheConfig(sink=2, local=4, buffer=3, dense_threshold=0)
     tokens = {}

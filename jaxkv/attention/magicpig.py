@@ -639,8 +639,9 @@ def correction(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, k_rows: 
 
 
 def reads_rows_in_place(cfg: MagicPIGConfig, keys: jax.Array) -> bool:
-    """Whether :func:`attend_in_place` serves this config and region: the CPU kernels, float32 rows."""
-    return cfg.uses_native() and keys.dtype == jnp.float32
+    """Whether :func:`attend_in_place` serves this config and region: the CPU kernels, rows in
+    float32 or bfloat16 (``jaxkv.native.ROW_DTYPES``)."""
+    return cfg.uses_native() and keys.dtype in native.ROW_DTYPES
 
 
 @_jit_with_static_cfg

@@ -461,8 +461,9 @@ def correction(cfg, index, q, k_rows, selection):
 
 
 def reads_rows_in_place(cfg: ParisKVConfig, keys: jax.Array) -> bool:
-    """Whether :func:`attend_in_place` serves this config and region: the CPU kernels, float32 rows."""
-    return cfg.uses_native() and keys.dtype == jnp.float32
+    """Whether :func:`attend_in_place` serves this config and region: the CPU kernels, rows in
+    float32 or bfloat16 (``jaxkv.native.ROW_DTYPES``)."""
+    return cfg.uses_native() and keys.dtype in native.ROW_DTYPES
 
 
 def attend_in_place(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, keys: jax.Array, values: jax.Array,

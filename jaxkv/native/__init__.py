@@ -37,6 +37,7 @@ TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "Par
            "jaxkv_magicpig_merge": "MagicpigMerge", "jaxkv_magicpig_attend": "MagicpigAttend",
            "jaxkv_attend_rows": "AttendRows", "jaxkv_quantized_matmul": "QuantizedMatmul"}
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2", "gfni")  # byte permutes, bit deposits, bit transposes
+ROW_DTYPES = (jnp.float32, jnp.bfloat16)  # K and V rows the attention kernels read in place (widened in registers)
 
 
 class NativeUnavailable(RuntimeError):
@@ -227,8 +228,9 @@ def _partial_shapes(q: jax.Array):
 def attend_rows(q: jax.Array, keys: jax.Array, values: jax.Array, idx: jax.Array, mask: jax.Array, *,
                 masked_score: float):
     """The partial (o [..., G, d], l [..., G], m [..., G]) of q [..., G, d] over the rows idx [..., C]
-    of keys, values [..., cap, d] (float32, read in place) that head g attends (mask [..., G, C]):
-    ``common.partial_attention`` over the gathered rows, up to float32 rounding, with no copy of them.
+    of keys, values [..., cap, d] (both float32 or both bfloat16, read in place and widened to
+    float32) that head g attends (mask [..., G, C]): ``common.partial_attention`` over the
+    gathered rows, up to float32 rounding, with no copy of them.
     """
     _load()
     call = jax.ffi.ffi_call("jaxkv_attend_rows", _partial_shapes(q), vmap_method="broadcast_all")
@@ -240,10 +242,11 @@ def magicpig_attend(q: jax.Array, keys: jax.Array, values: jax.Array, mu: jax.Ar
                     mask: jax.Array, tables_used: jax.Array, *, K: int, min_hits: int, tail_terms: int,
                     log_u_floor: float, masked_score: float):
     """The partial (o [..., G, d], l [..., G], m [..., G]) of q [..., G, d] over MagicPIG's sample:
-    the rows idx [..., C] of keys, values [..., cap, d] (float32, read in place) that head g
-    sampled (mask [..., G, C]), each score corrected by −max(log u, log_u_floor), log u =
-    ``magicpig.collision_log_prob`` of the cosine between q_g and the row − mu [..., d] over
-    tables_used [..., G] tables. ``common.partial_attention``'s result up to float32 rounding.
+    the rows idx [..., C] of keys, values [..., cap, d] (both float32 or both bfloat16, read in
+    place and widened to float32) that head g sampled (mask [..., G, C]), each score corrected
+    by −max(log u, log_u_floor), log u = ``magicpig.collision_log_prob`` of the cosine between
+    q_g and the row − mu [..., d] over tables_used [..., G] tables.
+    ``common.partial_attention``'s result up to float32 rounding.
     """
     _load()
     call = jax.ffi.ffi_call("jaxkv_magicpig_attend", _partial_shapes(q), vmap_method="broadcast_all")

@@ -442,27 +442,55 @@ struct CollisionLogProb {
   }
 };
 
+// A key or value row's element: float32, or bfloat16 (its bits the high half of a float32's),
+// widened in registers, so a bfloat16 region is read in place at half the bytes.
+using bf16 = uint16_t;
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline __m512 load16(const bf16* p, __mmask16 lanes) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  const uint32_t bits = uint32_t{x} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // 16 lanes at a time (a float sum is not vectorised by the compiler: its order would change).
-float dot(const float* a, const float* b, int64_t d) {
+template <typename Row>
+float dot(const float* a, const Row* b, int64_t d) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
   float s = _mm512_reduce_add_ps(acc);
-  for (; i < d; ++i) s += a[i] * b[i];
+  for (; i < d; ++i) s += a[i] * to_float(b[i]);
   return s;
 }
 
 // |a - b|, the difference not stored.
-float distance(const float* a, const float* b, int64_t d) {
+template <typename Row>
+float distance(const Row* a, const float* b, int64_t d) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
-    const __m512 diff = _mm512_loadu_ps(a + i) - _mm512_loadu_ps(b + i);
+    const __m512 diff = load16(a + i) - _mm512_loadu_ps(b + i);
     acc = _mm512_fmadd_ps(diff, diff, acc);
   }
   float s = _mm512_reduce_add_ps(acc);
-  for (; i < d; ++i) s += (a[i] - b[i]) * (a[i] - b[i]);
+  for (; i < d; ++i) s += (to_float(a[i]) - b[i]) * (to_float(a[i]) - b[i]);
   return std::sqrt(s);
+}
+
+// The lanes of a 16-lane vector that hold the first `remaining` coordinates.
+inline __mmask16 lanes_in_use(int64_t remaining) {
+  return remaining >= 16 ? __mmask16{0xFFFF} : remaining <= 0 ? __mmask16{0} : static_cast<__mmask16>((1u << remaining) - 1);
 }
 
 // The unnormalised partial (o [G, d], l [G], m [G]) of one block of slots: two passes, the
@@ -479,23 +507,22 @@ struct Partial {
 // threads took 14.7 rather than 17.1 ns a row; the MagicPIG step at 256k, 6.0 -> 5.3 ms.
 constexpr int64_t kRowsAhead = 16;
 
-void prefetch_row(const float* row, int64_t d) { prefetch_lines<_MM_HINT_T1>(row, row + d); }
+template <typename Row>
+void prefetch_row(const Row* row, int64_t d) { prefetch_lines<_MM_HINT_T1>(row, row + d); }
 
+template <typename Row>
 struct AttendHead {
-  const float *q, *keys, *values, *mu;
+  const float *q, *mu;
+  const Row *keys, *values;
   const int32_t* idx;
   const bool* mask;
   const std::vector<CollisionLogProb>* log_prob;  // one per query head (its tables read); null: no correction
   int64_t heads, d, cap, slots;
   float scale, log_u_floor;
-  // The values' pass brings each row from L2 into L1 kRowsAhead slots on. Alternated probes
-  // at 256k keys: MagicPIG with Llama heads 14.4-15.8 -> 13.8-14.2 ms, SmolLM2 heads
-  // unchanged; ParisKV's top-2048 step unchanged with Llama heads, 3-5 % slower with
-  // SmolLM2's. So MagicPIG's attend sets it, ParisKV's does not.
-  bool values_into_l1;
 };
 
-void attend_block(const AttendHead& a, int64_t begin, int64_t end, Partial& out) {
+template <typename Row>
+void attend_block(const AttendHead<Row>& a, int64_t begin, int64_t end, Partial& out) {
   constexpr float kUnsampled = -std::numeric_limits<float>::infinity();
   const auto row_of = [&](int64_t c) { return std::clamp<int64_t>(a.idx[c], 0, a.cap - 1) * a.d; };
   const auto sampled_by_any = [&](int64_t c) {
@@ -514,8 +541,8 @@ void attend_block(const AttendHead& a, int64_t begin, int64_t end, Partial& out)
   // The cosine's numerator q·(k - mu) is q·k - q·mu: one product per row and head, shared
   // with the score.
   std::vector<float> score(a.heads * lanes, kUnsampled), cosine(a.heads * lanes, 0.0f), q_norm(a.heads), q_mu(a.heads);
-  std::vector<int32_t> cosine_slot(a.heads * lanes);
-  std::vector<int64_t> n_cosines(a.heads, 0);
+  std::vector<int32_t> head_slots(a.heads * lanes);  // each head's sampled slots, ascending
+  std::vector<int64_t> n_sampled(a.heads, 0);
   for (int64_t g = 0; g < a.heads; ++g) {
     q_norm[g] = std::sqrt(dot(a.q + g * a.d, a.q + g * a.d, a.d));
     if (a.log_prob) q_mu[g] = dot(a.q + g * a.d, a.mu, a.d);
@@ -530,16 +557,16 @@ void attend_block(const AttendHead& a, int64_t begin, int64_t end, Partial& out)
       prefetch_row(a.values + row_of(c + kRowsAhead), a.d);
     }
     if (!sampled_by_any(c)) continue;
-    const float* k = a.keys + row_of(c);
+    const Row* k = a.keys + row_of(c);
     const float k_norm = a.log_prob ? distance(k, a.mu, a.d) : 0.0f;
     for (int64_t g = 0; g < a.heads; ++g) {
       if (!a.mask[g * a.slots + c]) continue;
       const float qk = dot(a.q + g * a.d, k, a.d);
+      const int64_t packed = g * lanes + n_sampled[g]++;
+      head_slots[packed] = static_cast<int32_t>(c - begin);
       if (a.log_prob) {
         const float norms = q_norm[g] * k_norm;
-        const int64_t packed = g * lanes + n_cosines[g]++;
         cosine[packed] = norms > 0 ? (qk - q_mu[g]) / norms : 0.0f;
-        cosine_slot[packed] = static_cast<int32_t>(c - begin);
       }
       score[g * lanes + c - begin] = qk * a.scale;
     }
@@ -548,12 +575,12 @@ void attend_block(const AttendHead& a, int64_t begin, int64_t end, Partial& out)
     float* head_score = score.data() + g * lanes;
     if (a.log_prob) {  // the correction of each packed cosine, subtracted from its slot's score
       float* head_cosine = cosine.data() + g * lanes;  // padding lanes hold cosine 0: a valid input
-      for (int64_t i = 0; i < n_cosines[g]; i += 16) {
+      for (int64_t i = 0; i < n_sampled[g]; i += 16) {
         const __m512 log_u = _mm512_max_ps((*a.log_prob)[g](_mm512_loadu_ps(head_cosine + i)),
                                            _mm512_set1_ps(a.log_u_floor));
         _mm512_storeu_ps(head_cosine + i, log_u);
       }
-      for (int64_t i = 0; i < n_cosines[g]; ++i) head_score[cosine_slot[g * lanes + i]] -= head_cosine[i];
+      for (int64_t i = 0; i < n_sampled[g]; ++i) head_score[head_slots[g * lanes + i]] -= head_cosine[i];
     }
     __m512 top = _mm512_set1_ps(out.m[g]);
     for (int64_t c = 0; c < lanes; c += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(head_score + c));
@@ -570,26 +597,31 @@ void attend_block(const AttendHead& a, int64_t begin, int64_t end, Partial& out)
       _mm512_storeu_ps(s, _mm512_maskz_mov_ps(weighed, _ZGVeN16v_expf(_mm512_maskz_mov_ps(weighed, x))));
     }
   }
-  const float* weight = score.data();
-  for (int64_t c = begin; c < end; ++c) {  // each value row read once, for every head that sampled it
-    if (a.values_into_l1 && c + kRowsAhead < end) {
-      const float* next = a.values + row_of(c + kRowsAhead);
-      prefetch_lines(next, next + a.d);
+  // Each head's sum of weight · value row over the slots it sampled, 64 coordinates at a
+  // time: the four sums stay in registers from row to row (summed through memory, each row's
+  // sum waited on the last row's store).
+  for (int64_t g = 0; g < a.heads; ++g) {
+    const float* weight = score.data() + g * lanes;
+    const int32_t* slots = head_slots.data() + g * lanes;
+    for (int64_t i0 = 0; i0 < a.d; i0 += 64) {
+      const __mmask16 part[4] = {lanes_in_use(a.d - i0), lanes_in_use(a.d - i0 - 16), lanes_in_use(a.d - i0 - 32),
+                                 lanes_in_use(a.d - i0 - 48)};
+      __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t j = 0; j < n_sampled[g]; ++j) {
+        const __m512 p = _mm512_set1_ps(weight[slots[j]]);
+        const Row* v = a.values + row_of(begin + slots[j]) + i0;
+        for (int u = 0; u < 4; ++u) sum[u] = _mm512_fmadd_ps(p, load16(v + 16 * u, part[u]), sum[u]);
+      }
+      for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(out.o.data() + g * a.d + i0 + 16 * u, part[u], sum[u]);
     }
-    const float* v = a.values + row_of(c);
-    for (int64_t g = 0; g < a.heads; ++g) {
-      const float p = weight[g * lanes + c - begin];
-      if (p == 0.0f) continue;
-      float* o = out.o.data() + g * a.d;
-      for (int64_t i = 0; i < a.d; ++i) o[i] += p * v[i];
-      out.l[g] += p;
-    }
+    for (int64_t j = 0; j < n_sampled[g]; ++j) out.l[g] += weight[slots[j]];
   }
 }
 
 // Every batch entry's partial from blocks of slots in parallel, each block a partial of its
 // own, merged per head in order.
-void attend_heads(ffi::ThreadPool& pool, const std::vector<AttendHead>& work, int64_t heads, int64_t d,
+template <typename Row>
+void attend_heads(ffi::ThreadPool& pool, const std::vector<AttendHead<Row>>& work, int64_t heads, int64_t d,
                   int64_t slots, float masked_score, ffi::ResultBuffer<ffi::F32>& o, ffi::ResultBuffer<ffi::F32>& l,
                   ffi::ResultBuffer<ffi::F32>& m) {
   const int64_t batch = static_cast<int64_t>(work.size());
@@ -617,57 +649,94 @@ void attend_heads(ffi::ThreadPool& pool, const std::vector<AttendHead>& work, in
     }
 }
 
-ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
-                  ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::S32> idx,
-                  ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> tables_used, int64_t k_bits, int64_t min_hits,
-                  int64_t tail_terms, float log_u_floor, float masked_score, ffi::ResultBuffer<ffi::F32> o,
-                  ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> m) {
+// The rows' element type: keys and values float32, or both bfloat16.
+template <typename Row>
+const Row* rows_of(const ffi::AnyBuffer& buffer) { return static_cast<const Row*>(buffer.untyped_data()); }
+
+bool rows_supported(const ffi::AnyBuffer& keys, const ffi::AnyBuffer& values) {
+  return keys.element_type() == values.element_type() &&
+         (keys.element_type() == ffi::DataType::F32 || keys.element_type() == ffi::DataType::BF16);
+}
+
+template <typename Row>
+void attend_sample(ffi::ThreadPool& pool, const float* q, const Row* keys, const Row* values, const float* mu,
+                   const int32_t* idx, const bool* mask, const int32_t* tables_used, int64_t batch, int64_t heads,
+                   int64_t d, int64_t cap, int64_t slots, int64_t k_bits, int64_t min_hits, int64_t tail_terms,
+                   float log_u_floor, float masked_score, ffi::ResultBuffer<ffi::F32>& o, ffi::ResultBuffer<ffi::F32>& l,
+                   ffi::ResultBuffer<ffi::F32>& m) {
+  std::vector<std::vector<CollisionLogProb>> log_prob(batch);
+  std::vector<AttendHead<Row>> work(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t g = 0; g < heads; ++g)
+      log_prob[b].emplace_back(k_bits, static_cast<float>(tables_used[b * heads + g]), min_hits, tail_terms);
+    work[b] = {q + b * heads * d, mu + b * d, keys + b * cap * d, values + b * cap * d, idx + b * slots,
+               mask + b * heads * slots, &log_prob[b], heads, d, cap, slots, 1.0f / std::sqrt(static_cast<float>(d)),
+               log_u_floor};
+  }
+  attend_heads(pool, work, heads, d, slots, masked_score, o, l, m);
+}
+
+ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
+                  ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::PRED> mask,
+                  ffi::Buffer<ffi::S32> tables_used, int64_t k_bits, int64_t min_hits, int64_t tail_terms,
+                  float log_u_floor, float masked_score, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l,
+                  ffi::ResultBuffer<ffi::F32> m) {
   const auto qd = q.dimensions(), kd = keys.dimensions();
   if (qd.size() < 2 || kd.size() != qd.size())
     return ffi::Error::InvalidArgument("magicpig_attend: q [..., G, d], keys [..., cap, d]");
+  if (!rows_supported(keys, values))
+    return ffi::Error::InvalidArgument("magicpig_attend: keys and values both float32 or both bfloat16");
   const int64_t heads = qd[qd.size() - 2], d = qd.back(), cap = kd[kd.size() - 2];
   const int64_t batch = product(qd, 0, qd.size() - 2), slots = idx.dimensions().back();
-  if (kd.back() != d || values.element_count() != batch * cap * d || mu.element_count() != batch * d ||
-      idx.element_count() != batch * slots || mask.element_count() != batch * heads * slots ||
-      tables_used.element_count() != batch * heads || o->element_count() != batch * heads * d ||
-      l->element_count() != batch * heads || m->element_count() != batch * heads)
+  if (kd.back() != d || static_cast<int64_t>(values.element_count()) != batch * cap * d ||
+      mu.element_count() != batch * d || idx.element_count() != batch * slots ||
+      mask.element_count() != batch * heads * slots || tables_used.element_count() != batch * heads ||
+      o->element_count() != batch * heads * d || l->element_count() != batch * heads || m->element_count() != batch * heads)
     return ffi::Error::InvalidArgument("magicpig_attend: values [..., cap, d], mu [..., d], idx [..., C], "
                                        "mask [..., G, C], tables_used [..., G]; o [..., G, d], l and m [..., G]");
-  std::vector<std::vector<CollisionLogProb>> log_prob(batch);
-  std::vector<AttendHead> work(batch);
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t g = 0; g < heads; ++g)
-      log_prob[b].emplace_back(k_bits, static_cast<float>(tables_used.typed_data()[b * heads + g]), min_hits,
-                               tail_terms);
-    work[b] = {q.typed_data() + b * heads * d, keys.typed_data() + b * cap * d, values.typed_data() + b * cap * d,
-               mu.typed_data() + b * d, idx.typed_data() + b * slots, mask.typed_data() + b * heads * slots,
-               &log_prob[b], heads, d, cap, slots, 1.0f / std::sqrt(static_cast<float>(d)), log_u_floor, true};
-  }
-  attend_heads(pool, work, heads, d, slots, masked_score, o, l, m);
+  const auto run = [&](auto row) {
+    using Row = decltype(row);
+    attend_sample(pool, q.typed_data(), rows_of<Row>(keys), rows_of<Row>(values), mu.typed_data(), idx.typed_data(),
+                  mask.typed_data(), tables_used.typed_data(), batch, heads, d, cap, slots, k_bits, min_hits,
+                  tail_terms, log_u_floor, masked_score, o, l, m);
+  };
+  keys.element_type() == ffi::DataType::F32 ? run(float{}) : run(bf16{});
   return ffi::Error::Success();
 }
 
+template <typename Row>
+void attend_selected(ffi::ThreadPool& pool, const float* q, const Row* keys, const Row* values, const int32_t* idx,
+                     const bool* mask, int64_t batch, int64_t heads, int64_t d, int64_t cap, int64_t slots,
+                     float masked_score, ffi::ResultBuffer<ffi::F32>& o, ffi::ResultBuffer<ffi::F32>& l,
+                     ffi::ResultBuffer<ffi::F32>& m) {
+  std::vector<AttendHead<Row>> work(batch);
+  for (int64_t b = 0; b < batch; ++b)
+    work[b] = {q + b * heads * d, nullptr, keys + b * cap * d, values + b * cap * d, idx + b * slots,
+               mask + b * heads * slots, nullptr, heads, d, cap, slots, 1.0f / std::sqrt(static_cast<float>(d)), 0.0f};
+  attend_heads(pool, work, heads, d, slots, masked_score, o, l, m);
+}
 
-ffi::Error attend_rows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
-                       ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::PRED> mask,
-                       float masked_score, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l,
-                       ffi::ResultBuffer<ffi::F32> m) {
+ffi::Error attend_rows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
+                       ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::PRED> mask, float masked_score,
+                       ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> m) {
   const auto qd = q.dimensions(), kd = keys.dimensions();
   if (qd.size() < 2 || kd.size() != qd.size())
     return ffi::Error::InvalidArgument("attend_rows: q [..., G, d], keys [..., cap, d]");
+  if (!rows_supported(keys, values))
+    return ffi::Error::InvalidArgument("attend_rows: keys and values both float32 or both bfloat16");
   const int64_t heads = qd[qd.size() - 2], d = qd.back(), cap = kd[kd.size() - 2];
   const int64_t batch = product(qd, 0, qd.size() - 2), slots = idx.dimensions().back();
-  if (kd.back() != d || values.element_count() != batch * cap * d || idx.element_count() != batch * slots ||
-      mask.element_count() != batch * heads * slots || o->element_count() != batch * heads * d ||
-      l->element_count() != batch * heads || m->element_count() != batch * heads)
+  if (kd.back() != d || static_cast<int64_t>(values.element_count()) != batch * cap * d ||
+      idx.element_count() != batch * slots || mask.element_count() != batch * heads * slots ||
+      o->element_count() != batch * heads * d || l->element_count() != batch * heads || m->element_count() != batch * heads)
     return ffi::Error::InvalidArgument("attend_rows: values [..., cap, d], idx [..., C], mask [..., G, C]; "
                                        "o [..., G, d], l and m [..., G]");
-  std::vector<AttendHead> work(batch);
-  for (int64_t b = 0; b < batch; ++b)
-    work[b] = {q.typed_data() + b * heads * d, keys.typed_data() + b * cap * d, values.typed_data() + b * cap * d,
-               nullptr, idx.typed_data() + b * slots, mask.typed_data() + b * heads * slots, nullptr, heads, d, cap,
-               slots, 1.0f / std::sqrt(static_cast<float>(d)), 0.0f, false};
-  attend_heads(pool, work, heads, d, slots, masked_score, o, l, m);
+  const auto run = [&](auto row) {
+    using Row = decltype(row);
+    attend_selected(pool, q.typed_data(), rows_of<Row>(keys), rows_of<Row>(values), idx.typed_data(),
+                    mask.typed_data(), batch, heads, d, cap, slots, masked_score, o, l, m);
+  };
+  keys.element_type() == ffi::DataType::F32 ? run(float{}) : run(bf16{});
   return ffi::Error::Success();
 }
 
@@ -712,8 +781,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigAttend, attend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
@@ -731,8 +800,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttendRows, attend_rows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Attr<float>("masked_score")
