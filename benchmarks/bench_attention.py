@@ -27,7 +27,10 @@ nor drop it.
   ``magicpig-native``, ``pariskv-100-native`` and ``pariskv-2048-native`` (run
   only when ``--methods`` names them) are the methods with their selection in
   ``jaxkv.native``'s CPU kernels (MagicPIG's insertion too, its id lists on the
-  device).
+  device); with ``-bf16`` (``magicpig-native-bf16``, ...) the cache's K and V
+  are bfloat16 (a bfloat16 model's), read in place by the kernels, and the run
+  also times dense over the same bfloat16 K and V ("dense bf16"). Ratios stay
+  to the float32 dense step.
 - flush: the move of U window rows into retrieval and the index, timed alone
   in the same way (the lengths put back each iteration). generate() runs it
   once every U steps; the step loop keeps the window from filling, and the
@@ -57,6 +60,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,17 +97,28 @@ class Shape:
 SHAPES = (Shape("SmolLM2", 3, 64, 3), Shape("Llama-3.1-8B", 8, 128, 4))
 
 
-# name → (label, module, config) of every sparse method benchmarked (official defaults).
+class Method(NamedTuple):
+    label: str
+    module: object
+    config: object
+    kv_dtype: object = jnp.float32  # of the cache's K and V rows
+
+
+_NATIVE = {"magicpig-native": ("magicpig K10L150 native", magicpig, magicpig.MagicPIGConfig(kernels="native")),
+           "pariskv-100-native": ("pariskv top100 native", pariskv, pariskv.ParisKVConfig(top_k=100, kernels="native")),
+           "pariskv-2048-native": ("pariskv top2048 native", pariskv,
+                                   pariskv.ParisKVConfig(top_k=2048, kernels="native"))}
+# name → Method of every sparse method benchmarked (official defaults).
 METHODS = {
-    "magicpig": ("magicpig K10L150", magicpig, magicpig.MagicPIGConfig()),
-    "pariskv-100": ("pariskv top100", pariskv, pariskv.ParisKVConfig(top_k=100)),
-    "pariskv-2048": ("pariskv top2048", pariskv, pariskv.ParisKVConfig(top_k=2048)),
-    # The same selection in jaxkv.native's CPU kernels (not in the default run: AVX-512 VBMI only).
-    "magicpig-native": ("magicpig K10L150 native", magicpig, magicpig.MagicPIGConfig(kernels="native")),
-    "pariskv-100-native": ("pariskv top100 native", pariskv, pariskv.ParisKVConfig(top_k=100, kernels="native")),
-    "pariskv-2048-native": ("pariskv top2048 native", pariskv, pariskv.ParisKVConfig(top_k=2048, kernels="native")),
+    "magicpig": Method("magicpig K10L150", magicpig, magicpig.MagicPIGConfig()),
+    "pariskv-100": Method("pariskv top100", pariskv, pariskv.ParisKVConfig(top_k=100)),
+    "pariskv-2048": Method("pariskv top2048", pariskv, pariskv.ParisKVConfig(top_k=2048)),
+    # The same selection in jaxkv.native's CPU kernels (not in the default run: AVX-512 VBMI only),
+    # and with a bfloat16 cache, whose rows the kernels read in place.
+    **{name: Method(*spec) for name, spec in _NATIVE.items()},
+    **{f"{name}-bf16": Method(f"{label} bf16", module, cfg, jnp.bfloat16) for name, (label, module, cfg) in _NATIVE.items()},
 }
-DEFAULT_METHODS = [name for name in METHODS if not name.endswith("-native")]
+DEFAULT_METHODS = ["magicpig", "pariskv-100", "pariskv-2048"]
 
 
 # ---------------------------------------------------------------- timing
@@ -238,6 +253,7 @@ def step_inputs(stats, n: int, rng):
 
 
 def bench_dense(staging_k, staging_v, q, n, timing: Timing):
+    """Step time of a dense layer over staging K, V (their dtype is the cache's)."""
     cache_k = models.transpose_keys(staging_k)  # a copy, freed on return
     kv_positions = jnp.arange(n, dtype=jnp.int32)
     q_positions = jnp.full((1, 1), n - 1, jnp.int32)
@@ -347,10 +363,10 @@ def magicpig_entries_read(cfg, index, qg) -> float:
     return float(jnp.mean(jax.jit(kvcache.over_batch_heads(per_head))(index, qg)))
 
 
-def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entries: float) -> dict:
-    """Bytes one step must read per layer (all KV heads), by stage, f32 K/V."""
+def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entries: float, kv_dtype) -> dict:
+    """Bytes one step must read per layer (all KV heads), by stage, K/V rows of kv_dtype."""
     d, h = shape.head_dim, shape.kv_heads
-    row = 2 * d * 4  # one key and value, f32
+    row = 2 * d * jnp.dtype(kv_dtype).itemsize  # one key and value
     exact = (ccfg.sink + ccfg.local + 1) * row
     if method is pariskv:
         cap = n - ccfg.sink - ccfg.local + ccfg.buffer
@@ -371,7 +387,7 @@ def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entrie
 def memory_needed(shape: Shape, n: int, names) -> int:
     kv = 2 * n * shape.kv_heads * shape.head_dim * 4
     index = max(method.index_bytes_per_key(cfg) if method is magicpig else method.index_bytes_per_key(cfg, shape.head_dim)
-                for _, method, cfg in (METHODS[name] for name in names)) * n * shape.kv_heads
+                for _, method, cfg, _ in (METHODS[name] for name in names)) * n * shape.kv_heads
     return KV_COPIES * kv + INDEX_COPIES * index + PROCESS_BYTES
 
 
@@ -397,9 +413,14 @@ def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, n
     rows = [{"shape": shape.name, "N": n, "method": "dense", "step": dense, "bytes": {"kv": dense_bytes},
              "index_B_per_token_head": 0}]
     print(f"  {shape.name} N={n} dense {dense['median_s'] * 1e3:.1f} ms", flush=True)
-    for label, method, mcfg in (METHODS[name] for name in names):
+    if any(METHODS[name].kv_dtype == jnp.bfloat16 for name in names):  # dense over the same bfloat16 cache
+        dense_bf16 = bench_dense(staging_k.astype(jnp.bfloat16), staging_v.astype(jnp.bfloat16), q, n, timing)
+        rows.append({"shape": shape.name, "N": n, "method": "dense bf16", "step": dense_bf16,
+                     "bytes": {"kv": dense_bytes // 2}, "index_B_per_token_head": 0})
+        print(f"  {shape.name} N={n} dense bf16 {dense_bf16['median_s'] * 1e3:.1f} ms", flush=True)
+    for label, method, mcfg, kv_dtype in (METHODS[name] for name in names):
         t0 = time.perf_counter()
-        state, ccfg = region_state(method, mcfg, staging_k, staging_v, n)
+        state, ccfg = region_state(method, mcfg, staging_k.astype(kv_dtype), staging_v.astype(kv_dtype), n)
         build_s = time.perf_counter() - t0
         stages, sel = sparse_stages(state, ccfg, method, mcfg, qg, timing.repeats)
         sel_rows = float(jnp.mean(kvcache.over_batch_heads(lambda s: s.distinct_rows())(sel)))
@@ -410,7 +431,7 @@ def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, n
                "index_formula_B_per_token_head": (magicpig.index_bytes_per_key(mcfg) if method is magicpig
                                                   else pariskv.index_bytes_per_key(mcfg, shape.head_dim)),
                "rows_gathered_per_head": sel_rows, "index_entries_read_per_head": entries,
-               "bytes": step_bytes(method, mcfg, shape, n, ccfg, sel_rows, entries), "stages": stages}
+               "bytes": step_bytes(method, mcfg, shape, n, ccfg, sel_rows, entries, kv_dtype), "stages": stages}
         row["step"], (_, state) = bench_full_step(state, ccfg, method, mcfg, q, k, v, positions, timing)
         row["flush"], state = bench_flush(state, ccfg, method, mcfg, timing)
         row["flush_every"] = ccfg.buffer
