@@ -36,6 +36,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxkv_native::bf16_to_f32;
 using jaxkv_native::parallel_chunks;
 using jaxkv_native::parallel_for;
 using jaxkv_native::prefetch_lines;
@@ -445,23 +446,13 @@ struct CollisionLogProb {
 // A key or value row's element: float32, or bfloat16 (its bits the high half of a float32's),
 // widened in registers, so a bfloat16 region is read in place at half the bytes.
 using bf16 = uint16_t;
+inline __m512 widen(__m256i bf16_bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits), 16)); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline __m512 load16(const bf16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
-inline __m512 load16(const bf16* p, __mmask16 lanes) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline __m512 load16(const bf16* p, __mmask16 lanes) { return widen(_mm256_maskz_loadu_epi16(lanes, p)); }
 inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) {
-  const uint32_t bits = uint32_t{x} << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float to_float(bf16 x) { return bf16_to_f32(x); }
 
 // 16 lanes at a time (a float sum is not vectorised by the compiler: its order would change).
 template <typename Row>

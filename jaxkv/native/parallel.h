@@ -1,5 +1,5 @@
 // What jaxkv's CPU kernels share: a cache-line prefetch, the batch size of an FFI buffer's
-// leading axes, and work split over XLA's intra-op thread pool. Included by every kernel
+// leading axes, a bfloat16's float32 value, and work split over XLA's intra-op thread pool. Included by every kernel
 // source of the library.
 #pragma once
 
@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 
@@ -25,6 +26,14 @@ inline void prefetch_lines(const void* begin, const void* end) {
   constexpr uintptr_t kLine = 64;
   for (uintptr_t p = reinterpret_cast<uintptr_t>(begin) & ~(kLine - 1); p < reinterpret_cast<uintptr_t>(end); p += kLine)
     _mm_prefetch(reinterpret_cast<const char*>(p), kHint);
+}
+
+// A bfloat16's float32 value (its bits are the float32's high half).
+inline float bf16_to_f32(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 // The number of elements of dims[begin, end) (the batch of a buffer's leading axes).

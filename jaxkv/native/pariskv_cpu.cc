@@ -32,6 +32,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxkv_native::bf16_to_f32;
 using jaxkv_native::parallel_chunks;
 using jaxkv_native::parallel_for;
 using jaxkv_native::prefetch_lines;
@@ -288,13 +289,6 @@ ffi::Error coarse(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
 }
 
 // ---------------------------------------------------------------- rerank
-
-float bf16_to_f32(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // One row's estimate. m = 8, so coordinate 8b + j is bit j of byte b of the sign row and
 // of each magnitude plane. A byte permute lays the row out as one qword per subspace,
