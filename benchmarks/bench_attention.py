@@ -330,26 +330,25 @@ def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]
 
 
 def pariskv_select_stages(index, cfg, qg, repeats) -> dict:
-    """ParisKV's select split: coarse votes, top-C of the votes, rerank + top-k of the candidates."""
+    """ParisKV's select split: the coarse stage (on the XLA path also its votes and their top-C
+    apart), then the rerank + final top-k of the candidates, each as the config runs it."""
     cap, n_subspaces = index.signs.shape[-2:]
-
-    def votes(ix, qq):
-        return pariskv.coarse_votes(cfg, ix, pariskv.rotate(cfg, jnp.mean(qq, axis=0)))
-
-    votes_fn = jax.jit(kvcache.over_batch_heads(votes))
+    coarse = jax.jit(kvcache.over_batch_heads(lambda ix, qq: pariskv.coarse_candidates(cfg, ix, qq)))
+    rerank = jax.jit(kvcache.over_batch_heads(lambda ix, qq, c: pariskv.final_top_k(
+        cfg, pariskv.rerank_scores(cfg, ix, qq, c), pariskv.n_retrieved(cfg, cap))))
+    candidates = coarse(index, qg)
+    stages = {"coarse": time_calls(lambda: coarse(index, qg), repeats),
+              "rerank": time_calls(lambda: rerank(index, qg, candidates), repeats)}
+    if cfg.uses_native():  # the CPU kernel counts the votes and takes the top-C in one call
+        return stages
+    votes = jax.jit(kvcache.over_batch_heads(
+        lambda ix, qq: pariskv.coarse_votes(cfg, ix, pariskv.rotate(cfg, jnp.mean(qq, axis=0)))))
     top_c = jax.jit(kvcache.over_batch_heads(lambda v: pariskv.most_voted_rows(
         v, pariskv.n_candidates(cfg, cap), pariskv.N_TIERS * n_subspaces)))
-    coarse = jax.jit(kvcache.over_batch_heads(lambda ix, qq: pariskv.coarse_candidates(cfg, ix, qq)))
-    rerank = jax.jit(kvcache.over_batch_heads(lambda ix, qq, c: pariskv.top_indices(
-        pariskv.rerank_scores(cfg, ix, qq, c), pariskv.n_retrieved(cfg, cap))))
-    vote_totals = votes_fn(index, qg)
-    candidates = coarse(index, qg)
-    return {
-        "coarse": time_calls(lambda: coarse(index, qg), repeats),
-        "coarse.votes": time_calls(lambda: votes_fn(index, qg), repeats),
-        "coarse.top_C": time_calls(lambda: top_c(vote_totals), repeats),
-        "rerank": time_calls(lambda: rerank(index, qg, candidates), repeats),
-    }
+    vote_totals = votes(index, qg)
+    stages["coarse.votes"] = time_calls(lambda: votes(index, qg), repeats)
+    stages["coarse.top_C"] = time_calls(lambda: top_c(vote_totals), repeats)
+    return stages
 
 
 def magicpig_entries_read(cfg, index, qg) -> float:
@@ -487,7 +486,9 @@ def markdown(rows: list[dict], skipped: list[str], bandwidth: dict, meta: dict) 
         if "stages" not in r:
             continue
         st = {k: v["median_s"] for k, v in r["stages"].items()}
-        coarse = f"{ms(st['coarse'])} ({ms(st['coarse.votes'])} / {ms(st['coarse.top_C'])})" if "coarse" in st else ""
+        coarse = ms(st["coarse"]) if "coarse" in st else ""
+        if "coarse.votes" in st:
+            coarse += f" ({ms(st['coarse.votes'])} / {ms(st['coarse.top_C'])})"
         lines.append(
             f"| {r['shape']} | {r['N']:,} | {r['method']} | {ms(st['select'])} | {coarse} | "
             f"{ms(st['rerank']) if 'rerank' in st else ''} | {ms(st['gather']) if 'gather' in st else ''} | "

@@ -369,6 +369,11 @@ def top_indices(values: jax.Array, k: int) -> jax.Array:
     return best_blocks[within // SELECTION_BLOCK] * SELECTION_BLOCK + within % SELECTION_BLOCK
 
 
+def final_top_k(cfg: ParisKVConfig, values: jax.Array, k: int) -> jax.Array:
+    """:func:`top_indices` of the rerank's estimates, by the CPU kernel when cfg uses it (the same positions)."""
+    return native.top_k(values, k) if cfg.uses_native() else top_indices(values, k)
+
+
 def vote_threshold(votes: jax.Array, count: int, most: int) -> tuple[jax.Array, jax.Array]:
     """(t, rows voting above t): t the largest value with at least ``count`` rows voting ≥ t.
 
@@ -434,8 +439,7 @@ def ranked_candidates(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array):
     candidates = _coarse_candidates(cfg, index, q_rot)
     valid = candidates < index.n
     estimate = jnp.where(valid, _rerank(cfg, index, q_rot, q_norm, candidates), -jnp.inf)
-    top = native.top_k if cfg.uses_native() else top_indices
-    return candidates, valid, top(estimate, n_retrieved(cfg, index.signs.shape[0]))
+    return candidates, valid, final_top_k(cfg, estimate, n_retrieved(cfg, index.signs.shape[0]))
 
 
 def _retrieve(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array):
