@@ -137,6 +137,23 @@ def test_native_top_k_of_close_rising_values(k):
     np.testing.assert_array_equal(jax.jit(native.top_k, static_argnums=1)(values, k), jax.lax.top_k(values, k)[1])
 
 
+
+@pytest.mark.parametrize("k", [1, 100, 2048])
+def test_native_top_k_of_a_long_row(k):
+    """Rows of 4,096 values and more are first cut to those within a bound taken from a
+    strided sample: normal scores with ties, -0 and -inf among them; and a row whose
+    sampled positions hold its largest values, so the sample's bound keeps fewer than k
+    and the kernel must fall back to every value."""
+    rng = np.random.default_rng(11)
+    c = 26_214  # ParisKV's candidates at 256k keys
+    normal = np.round(rng.standard_normal(c) * 64) / 64  # many ties
+    normal[rng.choice(c, 500, replace=False)] = -np.inf
+    normal[rng.choice(c, 50, replace=False)] = -0.0
+    misleading = rng.uniform(0, 1, c)
+    misleading[np.arange(1024) * c // 1024] += 10.0  # the sampled positions: 1,024 values above every other
+    values = jnp.asarray(np.stack([normal, misleading]), jnp.float32)
+    np.testing.assert_array_equal(jax.jit(native.top_k, static_argnums=1)(values, k), jax.lax.top_k(values, k)[1])
+
 # Float32 rounding apart: the same products summed in another order (scores over d ≤ 128,
 # value sums over a few thousand rows), libm's transcendentals against XLA's in
 # MagicPIG's correction (a few ulp each): relative to the largest entry, well under 1e-5.
