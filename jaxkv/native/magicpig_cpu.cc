@@ -37,6 +37,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxkv_native::bf16_to_f32;
+using jaxkv_native::lanes_in_use;
 using jaxkv_native::parallel_chunks;
 using jaxkv_native::parallel_for;
 using jaxkv_native::prefetch_lines;
@@ -477,11 +478,6 @@ float distance(const Row* a, const float* b, int64_t d) {
   float s = _mm512_reduce_add_ps(acc);
   for (; i < d; ++i) s += (to_float(a[i]) - b[i]) * (to_float(a[i]) - b[i]);
   return std::sqrt(s);
-}
-
-// The lanes of a 16-lane vector that hold the first `remaining` coordinates.
-inline __mmask16 lanes_in_use(int64_t remaining) {
-  return remaining >= 16 ? __mmask16{0xFFFF} : remaining <= 0 ? __mmask16{0} : static_cast<__mmask16>((1u << remaining) - 1);
 }
 
 // The unnormalised partial (o [G, d], l [G], m [G]) of one block of slots: two passes, the

@@ -1,6 +1,6 @@
-// What jaxkv's CPU kernels share: a cache-line prefetch, the batch size of an FFI buffer's
-// leading axes, a bfloat16's float32 value, and work split over XLA's intra-op thread pool. Included by every kernel
-// source of the library.
+// What jaxkv's CPU kernels share: a cache-line prefetch, the lanes of a vector in use, the
+// batch size of an FFI buffer's leading axes, a bfloat16's float32 value, and work split
+// over XLA's intra-op thread pool. Included by every kernel source of the library.
 #pragma once
 
 #include <immintrin.h>
@@ -26,6 +26,11 @@ inline void prefetch_lines(const void* begin, const void* end) {
   constexpr uintptr_t kLine = 64;
   for (uintptr_t p = reinterpret_cast<uintptr_t>(begin) & ~(kLine - 1); p < reinterpret_cast<uintptr_t>(end); p += kLine)
     _mm_prefetch(reinterpret_cast<const char*>(p), kHint);
+}
+
+// The lanes of a 16-lane vector that hold the first `remaining` elements (all 16, or none).
+inline __mmask16 lanes_in_use(int64_t remaining) {
+  return remaining >= 16 ? __mmask16{0xFFFF} : remaining <= 0 ? __mmask16{0} : static_cast<__mmask16>((1u << remaining) - 1);
 }
 
 // A bfloat16's float32 value (its bits are the float32's high half).

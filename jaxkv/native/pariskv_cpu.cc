@@ -35,6 +35,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxkv_native::bf16_to_f32;
+using jaxkv_native::lanes_in_use;
 using jaxkv_native::parallel_chunks;
 using jaxkv_native::parallel_for;
 using jaxkv_native::prefetch_lines;
@@ -428,11 +429,6 @@ inline __m512i descending_keys(__m512 values) {
   return _mm512_xor_si512(bits, _mm512_andnot_si512(_mm512_srai_epi32(bits, 31), _mm512_set1_epi32(0x7fffffff)));
 }
 
-// The lanes of values[i, i + 16) that lie before c.
-inline __mmask16 lanes_before(int64_t i, int64_t c) {
-  return c - i >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (c - i)) - 1);
-}
-
 // The positions of the values[C] whose key is <= bound, ascending, into out[C]; returns
 // how many. 16 values at a time, compressed in a register and stored (no branch on the
 // values; a compressing store to memory is microcoded on AMD's Zen 4: 85 % of the time
@@ -441,7 +437,7 @@ int64_t positions_at_most(const float* values, int64_t c, uint32_t bound, int32_
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int64_t n = 0;
   for (int64_t i = 0; i < c; i += 16) {
-    const __mmask16 lanes = lanes_before(i, c);
+    const __mmask16 lanes = lanes_in_use(c - i);
     const __m512i key = descending_keys(_mm512_maskz_loadu_ps(lanes, values + i));
     const __mmask16 kept = _mm512_mask_cmple_epu32_mask(lanes, key, _mm512_set1_epi32(static_cast<int>(bound)));
     const int n_kept = _mm_popcnt_u32(kept);
