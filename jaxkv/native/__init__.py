@@ -147,7 +147,8 @@ def rerank(codes, q_rot: jax.Array, q_norm, centres, rows: jax.Array) -> jax.Arr
 
 def top_k(values: jax.Array, k: int) -> jax.Array:
     """Positions [..., k] of the k largest of values [..., C] (float32, no NaN), largest
-    first, ties to the lower position: ``lax.top_k(values, k)[1]`` in one pass."""
+    first, ties to the lower position: ``lax.top_k(values, k)[1]``, the values first cut to
+    those within a bound from a sample of them (to all of them when fewer than k pass)."""
     _load()
     if not 1 <= k <= values.shape[-1]:
         raise ValueError(f"top_k: need 1 <= k <= {values.shape[-1]}, got k = {k}")
