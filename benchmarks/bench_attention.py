@@ -118,7 +118,7 @@ METHODS = {
     **{name: Method(*spec) for name, spec in _NATIVE.items()},
     **{f"{name}-bf16": Method(f"{label} bf16", module, cfg, jnp.bfloat16) for name, (label, module, cfg) in _NATIVE.items()},
 }
-DEFAULT_METHODS = ["magicpig", "pariskv-100", "pariskv-2048"]
+DEFAULT_METHODS = [name for name, method in METHODS.items() if not method.config.uses_native()]
 
 
 # ---------------------------------------------------------------- timing

@@ -137,7 +137,6 @@ def test_native_top_k_of_close_rising_values(k):
     np.testing.assert_array_equal(jax.jit(native.top_k, static_argnums=1)(values, k), jax.lax.top_k(values, k)[1])
 
 
-
 @pytest.mark.parametrize("k", [1, 100, 2048])
 def test_native_top_k_of_a_long_row(k):
     """Rows of 4,096 values and more are first cut to those within a bound taken from a
@@ -153,6 +152,7 @@ def test_native_top_k_of_a_long_row(k):
     misleading[np.arange(1024) * c // 1024] += 10.0  # the sampled positions: 1,024 values above every other
     values = jnp.asarray(np.stack([normal, misleading]), jnp.float32)
     np.testing.assert_array_equal(jax.jit(native.top_k, static_argnums=1)(values, k), jax.lax.top_k(values, k)[1])
+
 
 # Float32 rounding apart: the same products summed in another order (scores over d ≤ 128,
 # value sums over a few thousand rows), libm's transcendentals against XLA's in
