@@ -26,24 +26,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from jaxkv import native
+
 SOURCE = Path(__file__).resolve().parent / "scattered_rows.cc"
 MODES = ("stream", "scattered", "interleaved")
 
 
 def build(directory: Path) -> Path:
-    """Compiles scattered_rows.cc into directory; the sums may be reordered (vectorised)."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise SystemExit("bench_scattered_rows: no C++ compiler found (set CXX)")
+    """Compiles scattered_rows.cc into directory, with the kernels' compiler; the sums may be
+    reordered (vectorised)."""
+    try:
+        compiler = native.cxx_compiler()
+    except native.NativeUnavailable as error:
+        raise SystemExit(f"bench_scattered_rows: {error}") from None
     binary = directory / "scattered_rows"
     subprocess.run([compiler, "-O3", "-march=native", "-ffast-math", "-std=c++17", "-pthread", str(SOURCE),
                     "-o", str(binary)], check=True)
@@ -57,10 +59,10 @@ def measure(binary: Path, n: int, head_dim: int, heads: int, density: float, rep
     out = {"N": n, "head_dim": head_dim, "heads": heads, "density": density, "threads": raw["threads"], "modes": {}}
     for mode in MODES:
         seconds = np.asarray(raw["seconds"][mode])
+        median = float(np.median(seconds))
         nbytes = raw["rows"][mode] * raw["row_bytes"]
-        out["modes"][mode] = {"rows": raw["rows"][mode], "bytes": nbytes, "median_s": float(np.median(seconds)),
-                              "min_s": float(seconds.min()), "max_s": float(seconds.max()),
-                              "Bps": nbytes / float(np.median(seconds))}
+        out["modes"][mode] = {"rows": raw["rows"][mode], "bytes": nbytes, "median_s": median,
+                              "min_s": float(seconds.min()), "max_s": float(seconds.max()), "Bps": nbytes / median}
     stream = out["modes"]["stream"]["Bps"]
     for mode in MODES:
         out["modes"][mode]["of_stream"] = out["modes"][mode]["Bps"] / stream

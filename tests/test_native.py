@@ -144,8 +144,8 @@ def test_native_top_k_of_close_rising_values(k):
 def test_native_top_k_of_a_long_row(k):
     """Rows of 4,096 values and more are first cut to those within a bound taken from a
     strided sample: normal scores with ties, -0 and -inf among them; and a row whose
-    sampled positions hold its largest values, so the sample's bound keeps fewer than k
-    and the kernel must fall back to every value."""
+    sampled positions hold its largest values, so that for k = 100 and 2048 the sample's
+    bound keeps fewer than k and the kernel must fall back to every value."""
     rng = np.random.default_rng(11)
     c = 26_214  # ParisKV's candidates at 256k keys
     normal = np.round(rng.standard_normal(c) * 64) / 64  # many ties

@@ -44,11 +44,16 @@ class NativeUnavailable(RuntimeError):
     """The CPU kernels could not be built or loaded here (the message says why)."""
 
 
-def _compile_command(output: pathlib.Path) -> list[str]:
+def cxx_compiler() -> str:
+    """The C++ compiler the kernels are built with: ``$CXX``, else g++, else c++."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise NativeUnavailable("no C++ compiler found (set CXX)")
-    return [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+    return compiler
+
+
+def _compile_command(output: pathlib.Path) -> list[str]:
+    return [cxx_compiler(), "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
             f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-lmvec", "-o", str(output)]
 
 
