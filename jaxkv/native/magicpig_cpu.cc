@@ -36,7 +36,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using jaxkv_native::bf16_to_f32;
 using jaxkv_native::lanes_in_use;
 using jaxkv_native::parallel_chunks;
 using jaxkv_native::parallel_for;
@@ -452,18 +451,21 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 inline __m512 load16(const bf16* p, __mmask16 lanes) { return widen(_mm256_maskz_loadu_epi16(lanes, p)); }
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) { return bf16_to_f32(x); }
 
-// 16 lanes at a time (a float sum is not vectorised by the compiler: its order would change).
+// 16 lanes at a time (a float sum is not vectorised by the compiler: its order would change),
+// the last d % 16 by masked loads. Not by a scalar loop: built for a Xeon (GCC 12,
+// -march=native), its rounding differed between float and bfloat16 rows, and so did their
+// partials (d = 24 in test_native); built for an EPYC they agreed.
 template <typename Row>
 float dot(const float* a, const Row* b, int64_t d) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
-  float s = _mm512_reduce_add_ps(acc);
-  for (; i < d; ++i) s += a[i] * to_float(b[i]);
-  return s;
+  if (i < d) {
+    const __mmask16 lanes = lanes_in_use(d - i);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, a + i), load16(b + i, lanes), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
 }
 
 // |a - b|, the difference not stored.
@@ -475,9 +477,12 @@ float distance(const Row* a, const float* b, int64_t d) {
     const __m512 diff = load16(a + i) - _mm512_loadu_ps(b + i);
     acc = _mm512_fmadd_ps(diff, diff, acc);
   }
-  float s = _mm512_reduce_add_ps(acc);
-  for (; i < d; ++i) s += (to_float(a[i]) - b[i]) * (to_float(a[i]) - b[i]);
-  return std::sqrt(s);
+  if (i < d) {
+    const __mmask16 lanes = lanes_in_use(d - i);
+    const __m512 diff = load16(a + i, lanes) - _mm512_maskz_loadu_ps(lanes, b + i);
+    acc = _mm512_fmadd_ps(diff, diff, acc);
+  }
+  return std::sqrt(_mm512_reduce_add_ps(acc));
 }
 
 // The unnormalised partial (o [G, d], l [G], m [G]) of one block of slots: two passes, the
@@ -636,13 +641,16 @@ void attend_heads(ffi::ThreadPool& pool, const std::vector<AttendHead<Row>>& wor
     }
 }
 
-// The rows' element type: keys and values float32, or both bfloat16.
+// The rows' element type: keys and values float32, or both bfloat16, or both uint16 holding
+// bfloat16 bits (how jaxkv.cache stores a bfloat16 retrieval region, which XLA CPU would
+// otherwise convert whole at each write).
 template <typename Row>
 const Row* rows_of(const ffi::AnyBuffer& buffer) { return static_cast<const Row*>(buffer.untyped_data()); }
 
 bool rows_supported(const ffi::AnyBuffer& keys, const ffi::AnyBuffer& values) {
-  return keys.element_type() == values.element_type() &&
-         (keys.element_type() == ffi::DataType::F32 || keys.element_type() == ffi::DataType::BF16);
+  const auto type = keys.element_type();
+  return type == values.element_type() &&
+         (type == ffi::DataType::F32 || type == ffi::DataType::BF16 || type == ffi::DataType::U16);
 }
 
 template <typename Row>
@@ -672,7 +680,8 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   if (qd.size() < 2 || kd.size() != qd.size())
     return ffi::Error::InvalidArgument("magicpig_attend: q [..., G, d], keys [..., cap, d]");
   if (!rows_supported(keys, values))
-    return ffi::Error::InvalidArgument("magicpig_attend: keys and values both float32 or both bfloat16");
+    return ffi::Error::InvalidArgument("magicpig_attend: keys and values both float32, bfloat16 or "
+                                       "bfloat16 bits (uint16)");
   const int64_t heads = qd[qd.size() - 2], d = qd.back(), cap = kd[kd.size() - 2];
   const int64_t batch = product(qd, 0, qd.size() - 2), slots = idx.dimensions().back();
   if (kd.back() != d || static_cast<int64_t>(values.element_count()) != batch * cap * d ||
@@ -710,7 +719,8 @@ ffi::Error attend_rows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   if (qd.size() < 2 || kd.size() != qd.size())
     return ffi::Error::InvalidArgument("attend_rows: q [..., G, d], keys [..., cap, d]");
   if (!rows_supported(keys, values))
-    return ffi::Error::InvalidArgument("attend_rows: keys and values both float32 or both bfloat16");
+    return ffi::Error::InvalidArgument("attend_rows: keys and values both float32, bfloat16 or "
+                                       "bfloat16 bits (uint16)");
   const int64_t heads = qd[qd.size() - 2], d = qd.back(), cap = kd[kd.size() - 2];
   const int64_t batch = product(qd, 0, qd.size() - 2), slots = idx.dimensions().back();
   if (kd.back() != d || static_cast<int64_t>(values.element_count()) != batch * cap * d ||
