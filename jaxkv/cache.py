@@ -118,7 +118,7 @@ class RegionKV:
     sink_v: jax.Array
     win_k: jax.Array  # [B, Hkv, W + U, hd] device, a ring: position order from slot win_start
     win_v: jax.Array
-    retr_k: jax.Array  # [B, Hkv, cap, hd] host (or device without offload)
+    retr_k: jax.Array  # [B, Hkv, cap, hd] host (or device without offload); bfloat16 as bits, see stored_rows
     retr_v: jax.Array
     index: Any  # the method's index, leaves with leading [B, Hkv]
     sink_len: jax.Array  # [B] int32
@@ -135,6 +135,30 @@ def _host(x, ccfg):
 
 def _device(x, ccfg):
     return jax.device_put(x, DEVICE) if ccfg.offload else x
+
+
+# XLA CPU (jax 0.10.2) converts a whole bfloat16 buffer to float32 and back for any write
+# into it: 64 rows into a 3 × 256k × 64 region took 69 ms, against 0.04 ms for float32.
+# So the retrieval region of a bfloat16 cache holds its rows' bits as uint16, which a flush
+# writes as integers; readers take the rows back as bfloat16 (the CPU kernels read the bits
+# in place, jaxkv.native.ROW_DTYPES). A bitcast of the whole region is no way round it:
+# XLA CPU copies the region for that too.
+ROW_BITS = jnp.uint16
+
+
+def stored_rows(x):
+    """Rows as a retrieval region stores them: bfloat16 as its bits (``ROW_BITS``), others as they are."""
+    return jax.lax.bitcast_convert_type(x, ROW_BITS) if x.dtype == jnp.bfloat16 else x
+
+
+def row_values(x):
+    """The rows a retrieval region's store x holds (the inverse of :func:`stored_rows`)."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == ROW_BITS else x
+
+
+def row_dtype(store) -> jnp.dtype:
+    """The dtype of the rows a retrieval region's store holds."""
+    return jnp.dtype(jnp.bfloat16) if store.dtype == ROW_BITS else store.dtype
 
 
 def _flat_rows(b: int, h: int, cap: int, idx):
@@ -157,11 +181,12 @@ def host_take(store, flat_idx, shape=None):
 
 
 def gather_rows(store, idx, ccfg):
-    """store [B, H, cap, hd] (host or device), idx [B, H, C] → rows [B, H, C, hd] on the device."""
+    """store [B, H, cap, hd] (host or device), idx [B, H, C] → rows [B, H, C, hd] on the device
+    (as :func:`row_values`)."""
     b, h, cap, hd = store.shape
     flat, flat_idx = store.reshape(b * h * cap, hd), _flat_rows(b, h, cap, idx)
     shape = (*idx.shape, hd)
-    return host_take(flat, flat_idx, shape) if ccfg.offload else flat[flat_idx].reshape(shape)
+    return row_values(host_take(flat, flat_idx, shape) if ccfg.offload else flat[flat_idx].reshape(shape))
 
 
 def _host_index_take(array, flat_idx):
@@ -190,11 +215,11 @@ def place_index(index, method, mcfg, ccfg, *, host: bool):
 
 
 def scatter_rows(store, idx, rows, ccfg):
-    """Write rows [B, H, U, hd] at per-(b, h) row indices idx [B, H, U] of store."""
+    """Write rows [B, H, U, hd] at per-(b, h) row indices idx [B, H, U] of store (as :func:`stored_rows`)."""
     b, h, cap, hd = store.shape
     flat_idx = _host(_flat_rows(b, h, cap, idx), ccfg)
-    flat = store.reshape(b * h * cap, hd).at[flat_idx].set(
-        _host(rows.reshape(-1, hd).astype(store.dtype), ccfg), mode="promise_in_bounds")
+    rows = stored_rows(rows.reshape(-1, hd).astype(row_dtype(store)))
+    flat = store.reshape(b * h * cap, hd).at[flat_idx].set(_host(rows, ccfg), mode="promise_in_bounds")
     return flat.reshape(store.shape)
 
 
@@ -250,7 +275,7 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     index = place_index(index, method, mcfg, ccfg, host=True)
     return RegionKV(
         sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
-        retr_k=_host(retr_k, ccfg), retr_v=_host(retr_v, ccfg), index=index,
+        retr_k=_host(stored_rows(retr_k), ccfg), retr_v=_host(stored_rows(retr_v), ccfg), index=index,
         sink_len=sink_len, win_start=jnp.zeros_like(win_len), win_len=win_len, retr_len=retr_len,
         keys_read=jnp.zeros((b,), jnp.float32), keys_seen=jnp.zeros((b,), jnp.float32))
 
@@ -400,7 +425,7 @@ def _exact_partial(q, state: RegionKV, *, method, mcfg):
 
 def _retrieval_dense(q, state: RegionKV, ccfg):
     """Exact partial over every retrieval row (the short-context fallback)."""
-    keys, values = _device(state.retr_k, ccfg), _device(state.retr_v, ccfg)
+    keys, values = row_values(_device(state.retr_k, ccfg)), row_values(_device(state.retr_v, ccfg))
     return _region_partial(q, keys, values, state.retr_len), state.retr_len.astype(jnp.float32)
 
 
@@ -485,7 +510,8 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
         def one_row(q, k, v, idx, mask, log_weight):
             return dispatch.gather_attention_heads(q, k, v, idx, mask, log_weight, **mcfg.kernel_options())
 
-        o, l, m = jax.vmap(one_row)(q, state.retr_k, state.retr_v, sel.idx, sel.mask, log_weight)
+        o, l, m = jax.vmap(one_row)(q, row_values(state.retr_k), row_values(state.retr_v), sel.idx, sel.mask,
+                                    log_weight)
         read = common.Partial(o=o, l=l, m=m)
     elif attends_in_place(method, mcfg, state.retr_k):
         read = attend_rows_in_place(q, state, sel, method=method, mcfg=mcfg)
@@ -536,8 +562,10 @@ def all_tokens(state: RegionKV):
     Returns (k, v) [B, Hkv, S + cap + W + U, hd] and the per-row length; row b's
     first `length[b]` entries are positions 0..length-1. For tests and tools.
     """
-    retr_k = jax.device_put(state.retr_k, DEVICE) if state.retr_k.sharding.memory_kind != "device" else state.retr_k
-    retr_v = jax.device_put(state.retr_v, DEVICE) if state.retr_v.sharding.memory_kind != "device" else state.retr_v
+    def on_device(store):
+        return row_values(jax.device_put(store, DEVICE) if store.sharding.memory_kind != "device" else store)
+
+    retr_k, retr_v = on_device(state.retr_k), on_device(state.retr_v)
 
     in_order = _window_slots(state, jnp.zeros_like(state.win_start), state.win_k.shape[2])
     win_k, win_v = _window_rows(state.win_k, in_order), _window_rows(state.win_v, in_order)

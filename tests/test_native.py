@@ -224,8 +224,9 @@ def test_native_window_partial_is_the_xla_partial(win_start, win_len, dtype):
     _assert_partials_close(got, want)
 
 
-# bfloat16 rows are widened in registers, exactly: the partial of bfloat16 rows is the
-# partial of their float32 values, bit for bit, with and without MagicPIG's correction.
+# bfloat16 rows are widened in registers, exactly: the partial of bfloat16 rows, and of their
+# bits as uint16 (how the cache stores them), is the partial of their float32 values, bit for
+# bit, with and without MagicPIG's correction.
 # d = 64 and 128 (whole 16-lane vectors), 24 and 80 (a vector's lanes in part, the
 # products' scalar tails); 600 selected rows: three of the kernel's 256-slot blocks.
 @pytest.mark.parametrize("d", [64, 128, 24, 80])
@@ -246,9 +247,11 @@ def test_native_attention_reads_bfloat16_rows_as_their_float32_values(d):
 
     got = both(keys, values)
     want = both(keys.astype(jnp.float32), values.astype(jnp.float32))
-    for got_partial, want_partial in zip(got, want):
-        for got_x, want_x in zip(got_partial, want_partial):
+    as_bits = both(kvcache.stored_rows(keys), kvcache.stored_rows(values))
+    for got_partial, want_partial, bits_partial in zip(got, want, as_bits):
+        for got_x, want_x, bits_x in zip(got_partial, want_partial, bits_partial):
             np.testing.assert_array_equal(got_x, want_x)
+            np.testing.assert_array_equal(bits_x, want_x)
     # and the partial is the gathered rows' (attend_rows: no correction)
     exact = common.partial_attention(q, keys[idx], values[idx], mask)
     _assert_partials_close(common.Partial(*got[0]), exact)
@@ -257,8 +260,9 @@ def test_native_attention_reads_bfloat16_rows_as_their_float32_values(d):
 def test_native_attention_refuses_other_row_types():
     q, idx, mask = _keys(45, (2, 64)), jnp.arange(8, dtype=jnp.int32), jnp.ones((2, 8), bool)
     rows = _keys(46, (16, 64))
-    for keys, values in ((rows, rows.astype(jnp.bfloat16)), (rows.astype(jnp.float16), rows.astype(jnp.float16))):
-        with pytest.raises(Exception, match="both float32 or both bfloat16"):
+    for keys, values in ((rows, rows.astype(jnp.bfloat16)), (rows.astype(jnp.float16), rows.astype(jnp.float16)),
+                         (rows.astype(jnp.bfloat16), kvcache.stored_rows(rows.astype(jnp.bfloat16)))):
+        with pytest.raises(Exception, match="both float32, bfloat16 or bfloat16 bits"):
             jax.block_until_ready(native.attend_rows(q, keys, values, idx, mask, masked_score=common.MASKED_SCORE))
 
 
@@ -287,11 +291,13 @@ def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer, method, mc
     """A sparse layer with no dense fallback: 24 keys in retrieval, the buffer (U = 3)
     flushed into the index three times in 9 steps (MagicPIG's merge in the kernel, its id
     lists on the device; on the XLA path in host memory); the tiny model's d = 16 is P = 16.
-    A bfloat16 model's cache is bfloat16: the kernels read its rows in place."""
+    A bfloat16 model's cache is bfloat16, its retrieval rows kept as bits: the kernels read
+    them in place."""
     config, params = one_layer
     params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     module = {"pariskv": pariskv, "magicpig": magicpig}[method]
-    assert module.reads_rows_in_place(dataclasses.replace(mcfg, kernels="native"), jnp.zeros((1, 16), dtype))
+    assert module.reads_rows_in_place(dataclasses.replace(mcfg, kernels="native"),
+                                      kvcache.stored_rows(jnp.zeros((1, 16), dtype)))
     prompt = _prompts([30], seed=11)
     cache = CacheConfig(sink=2, local=4, buffer=3, dense_threshold=0)
     tokens = {}

@@ -640,7 +640,7 @@ def correction(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, k_rows: 
 
 def reads_rows_in_place(cfg: MagicPIGConfig, keys: jax.Array) -> bool:
     """Whether :func:`attend_in_place` serves this config and region: the CPU kernels, rows in
-    float32 or bfloat16 (``jaxkv.native.ROW_DTYPES``)."""
+    float32, bfloat16 or bfloat16 bits (``jaxkv.native.ROW_DTYPES``)."""
     return cfg.uses_native() and keys.dtype in native.ROW_DTYPES
 
 

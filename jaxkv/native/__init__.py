@@ -37,7 +37,9 @@ TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "Par
            "jaxkv_magicpig_merge": "MagicpigMerge", "jaxkv_magicpig_attend": "MagicpigAttend",
            "jaxkv_attend_rows": "AttendRows", "jaxkv_quantized_matmul": "QuantizedMatmul"}
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2", "gfni")  # byte permutes, bit deposits, bit transposes
-ROW_DTYPES = (jnp.float32, jnp.bfloat16)  # K and V rows the attention kernels read in place (widened in registers)
+# K and V rows the attention kernels read in place (widened in registers): float32, bfloat16,
+# or uint16 holding bfloat16 bits (how jaxkv.cache stores a bfloat16 retrieval region).
+ROW_DTYPES = (jnp.float32, jnp.bfloat16, jnp.uint16)
 
 
 class NativeUnavailable(RuntimeError):
@@ -234,8 +236,8 @@ def _partial_shapes(q: jax.Array):
 def attend_rows(q: jax.Array, keys: jax.Array, values: jax.Array, idx: jax.Array, mask: jax.Array, *,
                 masked_score: float):
     """The partial (o [..., G, d], l [..., G], m [..., G]) of q [..., G, d] over the rows idx [..., C]
-    of keys, values [..., cap, d] (both float32 or both bfloat16, read in place and widened to
-    float32) that head g attends (mask [..., G, C]): ``common.partial_attention`` over the
+    of keys, values [..., cap, d] (both float32, bfloat16 or bfloat16 bits as uint16, read in
+    place and widened to float32) that head g attends (mask [..., G, C]): ``common.partial_attention`` over the
     gathered rows, up to float32 rounding, with no copy of them.
     """
     _load()
@@ -248,8 +250,8 @@ def magicpig_attend(q: jax.Array, keys: jax.Array, values: jax.Array, mu: jax.Ar
                     mask: jax.Array, tables_used: jax.Array, *, K: int, min_hits: int, tail_terms: int,
                     log_u_floor: float, masked_score: float):
     """The partial (o [..., G, d], l [..., G], m [..., G]) of q [..., G, d] over MagicPIG's sample:
-    the rows idx [..., C] of keys, values [..., cap, d] (both float32 or both bfloat16, read in
-    place and widened to float32) that head g sampled (mask [..., G, C]), each score corrected
+    the rows idx [..., C] of keys, values [..., cap, d] (both float32, bfloat16 or bfloat16 bits
+    as uint16, read in place and widened to float32) that head g sampled (mask [..., G, C]), each score corrected
     by −max(log u, log_u_floor), log u = ``magicpig.collision_log_prob`` of the cosine between
     q_g and the row − mu [..., d] over tables_used [..., G] tables.
     ``common.partial_attention``'s result up to float32 rounding.
