@@ -3,7 +3,7 @@ streamed read of the same regions, in one run: the bandwidth that bounds MagicPI
 
     python benchmarks/bench_scattered_rows.py [--sizes 262144 1048576] [--density 0.0727]
                                               [--head-dim 64] [--heads 3] [--repeats 7]
-                                              [--out results/bench_scattered_rows]
+                                              [--evict-mb MB] [--out results/bench_scattered_rows]
 
 A MagicPIG step reads the K and V rows of every slot its query heads sample: at the
 official K10L150 about 7.27 % of the keys of each KV head (the union over a GQA group of
@@ -17,10 +17,12 @@ official K10L150 about 7.27 % of the keys of each KV head (the union over a GQA 
 - ``interleaved``: the same rows from one region of [K row | V row] records (a layout
   the cache does not have: what it would gain).
 
-Each pass follows a 128 MB write that evicts the regions from the caches; the modes
-alternate pass by pass. Reported: median and [min–max] seconds, GB/s of the bytes read
-(rows × row bytes), and each mode's bandwidth as a fraction of the stream's. Prints a
-markdown table and writes JSON + the table.
+Each pass follows a write that evicts the regions from the caches: ``--evict-mb``, by
+default twice the largest CPU cache sysfs reports and at least 128 MB (an EPYC's 32 MB L3
+and a Xeon's 300 MB one were both seen here); the modes alternate pass by pass.
+Reported: median and [min–max] seconds, GB/s of the bytes read (rows × row bytes), and
+each mode's bandwidth as a fraction of the stream's. Prints a markdown table and writes
+JSON + the table.
 """
 from __future__ import annotations
 
@@ -52,11 +54,21 @@ def build(directory: Path) -> Path:
     return binary
 
 
-def measure(binary: Path, n: int, head_dim: int, heads: int, density: float, repeats: int) -> dict:
-    result = subprocess.run([str(binary), str(n), str(head_dim), str(heads), str(density), str(repeats)],
-                            check=True, capture_output=True, text=True)
+def largest_cache_bytes() -> int:
+    """The largest CPU cache sysfs reports (0 where it reports none)."""
+    units, sizes = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}, [0]
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        sizes.append(int(text.rstrip("KMG")) * units.get(text[-1], 1))
+    return max(sizes)
+
+
+def measure(binary: Path, n: int, head_dim: int, heads: int, density: float, repeats: int, evict_mb: int) -> dict:
+    result = subprocess.run([str(binary), str(n), str(head_dim), str(heads), str(density), str(repeats),
+                             str(evict_mb)], check=True, capture_output=True, text=True)
     raw = json.loads(result.stdout)
-    out = {"N": n, "head_dim": head_dim, "heads": heads, "density": density, "threads": raw["threads"], "modes": {}}
+    out = {"N": n, "head_dim": head_dim, "heads": heads, "density": density, "evict_mb": evict_mb,
+           "threads": raw["threads"], "modes": {}}
     for mode in MODES:
         seconds = np.asarray(raw["seconds"][mode])
         median = float(np.median(seconds))
@@ -71,7 +83,8 @@ def measure(binary: Path, n: int, head_dim: int, heads: int, density: float, rep
 
 def markdown(results: list[dict], command: str) -> str:
     lines = [f"Command: `{command}`  ", f"{platform.machine()}, {results[0]['threads']} threads; median "
-             "[min–max] of the passes, each after evicting the caches.", "",
+             f"[min–max] of the passes, each after a write of {results[0]['evict_mb']} MB that evicts the "
+             "caches.", "",
              "| N | mode | rows | MB | ms [min–max] | GB/s | × stream's GB/s |", "|---|---|---|---|---|---|---|"]
     for r in results:
         for mode, m in r["modes"].items():
@@ -89,18 +102,22 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--heads", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--evict-mb", type=int, default=max(128, 2 * largest_cache_bytes() >> 20),
+                        help="MB written before each pass to evict the regions (default: 2x the largest cache)")
     parser.add_argument("--out", type=Path, default=Path("results/bench_scattered_rows"))
     args = parser.parse_args()
     if not 0 < args.density <= 1:
         parser.error(f"--density must be in (0, 1], got {args.density}")
-    if min(args.sizes) < 1 or args.head_dim < 1 or args.heads < 1 or args.repeats < 1:
-        parser.error("--sizes, --head-dim, --heads and --repeats must be >= 1")
+    if min(args.sizes) < 1 or min(args.head_dim, args.heads, args.repeats, args.evict_mb) < 1:
+        parser.error("--sizes, --head-dim, --heads, --repeats and --evict-mb must be >= 1")
     command = "python benchmarks/bench_scattered_rows.py " + " ".join(
         [f"--sizes {' '.join(map(str, args.sizes))}", f"--density {args.density}", f"--head-dim {args.head_dim}",
-         f"--heads {args.heads}", f"--repeats {args.repeats}", f"--out {args.out}"])
+         f"--heads {args.heads}", f"--repeats {args.repeats}", f"--evict-mb {args.evict_mb}",
+         f"--out {args.out}"])
     with tempfile.TemporaryDirectory() as tmp:
         binary = build(Path(tmp))
-        results = [measure(binary, n, args.head_dim, args.heads, args.density, args.repeats) for n in args.sizes]
+        results = [measure(binary, n, args.head_dim, args.heads, args.density, args.repeats, args.evict_mb)
+                   for n in args.sizes]
     table = markdown(results, command)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,10 @@
 // thread: the read bandwidth of scattered rows against a stream, in one process.
 // benchmarks/bench_scattered_rows.py builds and runs it; see its docstring.
 //
-//   scattered_rows N D HEADS DENSITY REPEATS
+//   scattered_rows N D HEADS DENSITY REPEATS EVICT_MB
 //
 // Per head, a K and a V region of N rows × D floats. Modes, each pass after a write of
-// 128 MB that evicts the regions from the caches:
+// EVICT_MB MB that evicts the regions from the caches:
 //   stream       every row of K and V, in order;
 //   scattered    the rows of a random sample (each row kept with probability DENSITY,
 //                ascending, as the kernels visit a sample), K and V rows each read whole,
@@ -26,7 +26,6 @@
 namespace {
 
 constexpr int64_t kAhead = 16;
-constexpr size_t kEvictBytes = 128u << 20;
 
 struct Regions {
   std::vector<std::vector<float>> keys, values, records;  // [head][N·D], [head][N·2D]
@@ -77,8 +76,8 @@ float read_part(const Regions& r, const std::string& mode, int64_t n, int64_t d,
   return total;
 }
 
-double timed_pass(const Regions& r, const std::string& mode, int64_t n, int64_t d, int threads, float* sink) {
-  static std::vector<char> evict(kEvictBytes);
+double timed_pass(const Regions& r, const std::string& mode, int64_t n, int64_t d, int threads,
+                  std::vector<char>& evict, float* sink) {
   for (size_t i = 0; i < evict.size(); i += 64) evict[i] += 1;
   std::vector<float> sums(threads);
   const auto start = std::chrono::steady_clock::now();
@@ -94,17 +93,19 @@ double timed_pass(const Regions& r, const std::string& mode, int64_t n, int64_t 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 6) {
-    std::fprintf(stderr, "usage: %s N D HEADS DENSITY REPEATS\n", argv[0]);
+  if (argc != 7) {
+    std::fprintf(stderr, "usage: %s N D HEADS DENSITY REPEATS EVICT_MB\n", argv[0]);
     return 2;
   }
   const int64_t n = std::atoll(argv[1]), d = std::atoll(argv[2]), heads = std::atoll(argv[3]);
   const double density = std::atof(argv[4]);
   const int repeats = std::atoi(argv[5]);
-  if (n < 1 || d < 1 || heads < 1 || !(density > 0 && density <= 1) || repeats < 1) {
-    std::fprintf(stderr, "need N, D, HEADS, REPEATS >= 1 and 0 < DENSITY <= 1\n");
+  const int64_t evict_mb = std::atoll(argv[6]);
+  if (n < 1 || d < 1 || heads < 1 || !(density > 0 && density <= 1) || repeats < 1 || evict_mb < 1) {
+    std::fprintf(stderr, "need N, D, HEADS, REPEATS, EVICT_MB >= 1 and 0 < DENSITY <= 1\n");
     return 2;
   }
+  std::vector<char> evict(static_cast<size_t>(evict_mb) << 20);
   const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   Regions r;
   std::mt19937_64 rng(0);
@@ -128,7 +129,7 @@ int main(int argc, char** argv) {
   const char* modes[] = {"stream", "scattered", "interleaved"};
   std::vector<std::vector<double>> seconds(3);
   for (int rep = 0; rep < repeats; ++rep)  // modes alternate, so that a slow moment hits all of them
-    for (int m = 0; m < 3; ++m) seconds[m].push_back(timed_pass(r, modes[m], n, d, threads, &sink));
+    for (int m = 0; m < 3; ++m) seconds[m].push_back(timed_pass(r, modes[m], n, d, threads, evict, &sink));
   for (int m = 0; m < 3; ++m) {
     std::printf("%s\"%s\": [", m ? ", " : "", modes[m]);
     for (int rep = 0; rep < repeats; ++rep) std::printf("%s%.9f", rep ? ", " : "", seconds[m][rep]);
