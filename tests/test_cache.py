@@ -86,7 +86,7 @@ def test_retrieval_region_lives_in_pinned_host_memory():
 
 def test_bfloat16_retrieval_rows_are_kept_as_bits_and_read_back_exactly():
     """A bfloat16 cache's retrieval region holds its rows' bits (uint16) and gives back the
-    rows bit for bit, after prefill and after two flushes (U = 3, 9 steps)."""
+    rows bit for bit, after prefill and the flushes of 9 appended tokens (U = 3)."""
     state, full_k, full_v, totals = _run([20, 13], steps=9, offload=True, dtype=jnp.bfloat16)
     assert state.retr_k.dtype == state.retr_v.dtype == kvcache.ROW_BITS
     assert state.win_k.dtype == jnp.bfloat16
@@ -96,7 +96,8 @@ def test_bfloat16_retrieval_rows_are_kept_as_bits_and_read_back_exactly():
     for b, n in enumerate(totals):
         np.testing.assert_array_equal(np.asarray(k[b, :, :n]), full_k[b, :n].swapaxes(0, 1))
         np.testing.assert_array_equal(np.asarray(v[b, :, :n]), full_v[b, :n].swapaxes(0, 1))
-    rows = kvcache.gather_rows(state.retr_v, jnp.asarray([[[2, 0]] * H] * 2, jnp.int32), kvcache.CacheConfig(offload=True))
+    slots = jnp.asarray([[[2, 0]] * H] * 2, jnp.int32)  # retrieval rows 2 and 0 of every (row, head)
+    rows = kvcache.gather_rows(state.retr_v, slots, kvcache.CacheConfig(offload=True))
     assert rows.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(rows[1, :, 0]), full_v[1, S + 2])
 

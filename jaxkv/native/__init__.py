@@ -237,8 +237,9 @@ def attend_rows(q: jax.Array, keys: jax.Array, values: jax.Array, idx: jax.Array
                 masked_score: float):
     """The partial (o [..., G, d], l [..., G], m [..., G]) of q [..., G, d] over the rows idx [..., C]
     of keys, values [..., cap, d] (both float32, bfloat16 or bfloat16 bits as uint16, read in
-    place and widened to float32) that head g attends (mask [..., G, C]): ``common.partial_attention`` over the
-    gathered rows, up to float32 rounding, with no copy of them.
+    place and widened to float32) that head g attends (mask [..., G, C]):
+    ``common.partial_attention`` over the gathered rows, up to float32 rounding, with no copy
+    of them.
     """
     _load()
     call = jax.ffi.ffi_call("jaxkv_attend_rows", _partial_shapes(q), vmap_method="broadcast_all")
@@ -251,9 +252,9 @@ def magicpig_attend(q: jax.Array, keys: jax.Array, values: jax.Array, mu: jax.Ar
                     log_u_floor: float, masked_score: float):
     """The partial (o [..., G, d], l [..., G], m [..., G]) of q [..., G, d] over MagicPIG's sample:
     the rows idx [..., C] of keys, values [..., cap, d] (both float32, bfloat16 or bfloat16 bits
-    as uint16, read in place and widened to float32) that head g sampled (mask [..., G, C]), each score corrected
-    by −max(log u, log_u_floor), log u = ``magicpig.collision_log_prob`` of the cosine between
-    q_g and the row − mu [..., d] over tables_used [..., G] tables.
+    as uint16, read in place and widened to float32) that head g sampled (mask [..., G, C]),
+    each score corrected by −max(log u, log_u_floor), log u = ``magicpig.collision_log_prob``
+    of the cosine between q_g and the row − mu [..., d] over tables_used [..., G] tables.
     ``common.partial_attention``'s result up to float32 rounding.
     """
     _load()
