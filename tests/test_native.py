@@ -227,8 +227,9 @@ def test_native_window_partial_is_the_xla_partial(win_start, win_len, dtype):
 # bfloat16 rows are widened in registers, exactly: the partial of bfloat16 rows, and of their
 # bits as uint16 (how the cache stores them), is the partial of their float32 values, bit for
 # bit, with and without MagicPIG's correction.
-# d = 64 and 128 (whole 16-lane vectors), 24 and 80 (a vector's lanes in part, the
-# products' scalar tails); 600 selected rows: three of the kernel's 256-slot blocks.
+# d = 64 and 128 (whole 16-lane vectors), 24 and 80 (a vector's lanes in part: the
+# products' masked tails at 24, the value sums' at both); 600 selected rows: three of the
+# kernel's 256-slot blocks.
 @pytest.mark.parametrize("d", [64, 128, 24, 80])
 def test_native_attention_reads_bfloat16_rows_as_their_float32_values(d):
     heads, cap, count = 3, 2000, 600
