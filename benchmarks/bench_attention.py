@@ -18,7 +18,10 @@ nor drop it.
 
 - dense: ``models.dense_causal_attention`` over N keys laid out as
   ``models.KVCache`` holds them, on the device, f32 — what a dense layer of
-  generate() runs; every ratio is to it.
+  generate() runs; every ratio is to it. ``dense-native`` (run only when
+  ``--methods`` names it; ``dense-native-bf16`` over bfloat16 K and V) is the
+  same step in ``jaxkv.native``'s CPU kernel (``DenseConfig(kernels="native")``);
+  each row is then also given as a ratio to it ("× dense native").
 - sparse: ``jaxkv.cache.region_attention`` with ``dense_threshold=0`` on a
   RegionKV from ``jaxkv.cache.regions_from_prefill`` (retrieval K/V in
   pinned_host memory), the state threaded through the loop as generate()
@@ -71,7 +74,7 @@ import synthetic_keys  # noqa: E402
 
 import models  # noqa: E402
 from jaxkv import cache as kvcache  # noqa: E402
-from jaxkv.attention import common, magicpig, pariskv  # noqa: E402
+from jaxkv.attention import common, dense, magicpig, pariskv  # noqa: E402
 
 GiB = 1 << 30
 # Peak memory of one configuration, in units of its K+V (f32) and of its largest
@@ -108,6 +111,8 @@ _NATIVE = {"magicpig-native": ("magicpig K10L150 native", magicpig, magicpig.Mag
            "pariskv-100-native": ("pariskv top100 native", pariskv, pariskv.ParisKVConfig(top_k=100, kernels="native")),
            "pariskv-2048-native": ("pariskv top2048 native", pariskv,
                                    pariskv.ParisKVConfig(top_k=2048, kernels="native"))}
+# name → (label, K and V dtype) of the dense step in jaxkv.native's CPU kernel, run when named.
+DENSE_NATIVE = {"dense-native": ("dense native", jnp.float32), "dense-native-bf16": ("dense native bf16", jnp.bfloat16)}
 # name → Method of every sparse method benchmarked (official defaults).
 METHODS = {
     "magicpig": Method("magicpig K10L150", magicpig, magicpig.MagicPIGConfig()),
@@ -254,16 +259,21 @@ def step_inputs(stats, n: int, rng):
     return q, as_step(k), as_step(v), jnp.full((1, 1), n, jnp.int32)
 
 
-def bench_dense(staging_k, staging_v, q, n, timing: Timing):
-    """Step time of a dense layer over staging K, V (their dtype is the cache's)."""
+def bench_dense(staging_k, staging_v, q, n, timing: Timing, native: bool = False):
+    """Step time of a dense layer over staging K, V (their dtype is the cache's), in XLA or
+    in the native CPU kernel."""
     cache_k = models.transpose_keys(staging_k)  # a copy, freed on return
-    kv_positions = jnp.arange(n, dtype=jnp.int32)
     q_positions = jnp.full((1, 1), n - 1, jnp.int32)
 
-    def body(i, out, q, *rest):  # each step's query tied to the last output: nothing hoisted or dropped
-        return models.dense_causal_attention(q + out.ravel()[0] * 0.0, *rest)
+    def attend(q, k, v):
+        if native:
+            return dense.native_decode_attention(q, k, v, q_positions)
+        return models.dense_causal_attention(q, k, v, q_positions, jnp.arange(n, dtype=jnp.int32))
 
-    return time_in_loop(body, jnp.zeros_like(q), (q, cache_k, staging_v, q_positions, kv_positions), timing)[0]
+    def body(i, out, q, k, v):  # each step's query tied to the last output: nothing hoisted or dropped
+        return attend(q + out.ravel()[0] * 0.0, k, v)
+
+    return time_in_loop(body, jnp.zeros_like(q), (q, cache_k, staging_v), timing)[0]
 
 
 def bench_full_step(state, ccfg, method, mcfg, q, k, v, positions, timing: Timing):
@@ -388,7 +398,7 @@ def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entrie
 def memory_needed(shape: Shape, n: int, names) -> int:
     kv = 2 * n * shape.kv_heads * shape.head_dim * 4
     index = max(method.index_bytes_per_key(cfg) if method is magicpig else method.index_bytes_per_key(cfg, shape.head_dim)
-                for _, method, cfg, _ in (METHODS[name] for name in names)) * n * shape.kv_heads
+                for _, method, cfg, _ in (METHODS[name] for name in names if name in METHODS)) * n * shape.kv_heads
     return KV_COPIES * kv + INDEX_COPIES * index + PROCESS_BYTES
 
 
@@ -405,6 +415,8 @@ def memory_available() -> int:
 
 def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, names) -> list[dict]:
     """All methods at one (shape, N): dense first, then each sparse method; arrays freed between."""
+    sparse = [METHODS[name] for name in names if name in METHODS]
+    dense_native = [DENSE_NATIVE[name] for name in names if name in DENSE_NATIVE]
     rng = np.random.default_rng(0)
     staging_k, staging_v = synthetic_keys.synthesise(stats, n)
     q, k, v, positions = step_inputs(stats, n, rng)
@@ -414,12 +426,17 @@ def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, n
     rows = [{"shape": shape.name, "N": n, "method": "dense", "step": dense, "bytes": {"kv": dense_bytes},
              "index_B_per_token_head": 0}]
     print(f"  {shape.name} N={n} dense {dense['median_s'] * 1e3:.1f} ms", flush=True)
-    if any(METHODS[name].kv_dtype == jnp.bfloat16 for name in names):  # dense over the same bfloat16 cache
+    if any(kv_dtype == jnp.bfloat16 for *_, kv_dtype in sparse + dense_native):  # dense over the same bfloat16 K, V
         dense_bf16 = bench_dense(staging_k.astype(jnp.bfloat16), staging_v.astype(jnp.bfloat16), q, n, timing)
         rows.append({"shape": shape.name, "N": n, "method": "dense bf16", "step": dense_bf16,
                      "bytes": {"kv": dense_bytes // 2}, "index_B_per_token_head": 0})
         print(f"  {shape.name} N={n} dense bf16 {dense_bf16['median_s'] * 1e3:.1f} ms", flush=True)
-    for label, method, mcfg, kv_dtype in (METHODS[name] for name in names):
+    for label, kv_dtype in dense_native:
+        step = bench_dense(staging_k.astype(kv_dtype), staging_v.astype(kv_dtype), q, n, timing, native=True)
+        rows.append({"shape": shape.name, "N": n, "method": label, "step": step,
+                     "bytes": {"kv": dense_bytes * jnp.dtype(kv_dtype).itemsize // 4}, "index_B_per_token_head": 0})
+        print(f"  {shape.name} N={n} {label} {step['median_s'] * 1e3:.1f} ms", flush=True)
+    for label, method, mcfg, kv_dtype in sparse:
         t0 = time.perf_counter()
         state, ccfg = region_state(method, mcfg, staging_k.astype(kv_dtype), staging_v.astype(kv_dtype), n)
         build_s = time.perf_counter() - t0
@@ -441,6 +458,7 @@ def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, n
         rows.append(row)
         print(f"  {shape.name} N={n} {label} {row['step']['median_s'] * 1e3:.1f} ms + flush "
               f"{row['flush']['median_s'] * 1e3:.1f} ms every {ccfg.buffer} steps (build {build_s:.0f} s)", flush=True)
+    native_step = next((row["step"] for row in rows if row["method"] == DENSE_NATIVE["dense-native"][0]), None)
     for row in rows:
         total = sum(row["bytes"].values())
         # A step's share of the flush, which generate() runs once every U steps.
@@ -448,6 +466,8 @@ def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, n
         row["step_with_flush_s"] = step_s
         row["bytes_total"] = total
         row["ratio_to_dense"] = step_s / dense["median_s"]
+        if native_step is not None:
+            row["ratio_to_dense_native"] = step_s / native_step["median_s"]
         row["achieved_Bps"] = total / step_s
         row["floor_s"] = total / bandwidth["read_Bps"]
         row["x_floor"] = step_s / row["floor_s"]
@@ -469,14 +489,17 @@ def markdown(rows: list[dict], skipped: list[str], bandwidth: dict, meta: dict) 
              f"copy (read+write) {bandwidth['copy_Bps'] / 1e9:.1f} GB/s. Floor = bytes / read bandwidth.", "",
              "Step = the loop step, without the flush; + flush/U = with its share of the flush "
              "(every U steps); × dense, GB/s and × floor use the latter.", "",
-             "| shape | N | method | step ms [min–max] | flush ms (U) | + flush/U | × dense | MB read | GB/s | × floor | "
-             "index B/token/head | KV bf16 B/token/head |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | N | method | step ms [min–max] | flush ms (U) | + flush/U | × dense | × dense native | MB read | "
+             "GB/s | × floor | index B/token/head | KV bf16 B/token/head |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["step"]
         flush = f"{ms(r['flush']['median_s'])} ({r['flush_every']})" if "flush" in r else ""
+        to_native = f"{r['ratio_to_dense_native']:.3f}" if "ratio_to_dense_native" in r else ""
         lines.append(
             f"| {r['shape']} | {r['N']:,} | {r['method']} | {ms(s['median_s'])} [{ms(s['min_s'])}–{ms(s['max_s'])}] | "
-            f"{flush} | {ms(r['step_with_flush_s'])} | {r['ratio_to_dense']:.3f} | {r['bytes_total'] / 1e6:.1f} | {r['achieved_Bps'] / 1e9:.2f} | "
+            f"{flush} | {ms(r['step_with_flush_s'])} | {r['ratio_to_dense']:.3f} | {to_native} | "
+            f"{r['bytes_total'] / 1e6:.1f} | {r['achieved_Bps'] / 1e9:.2f} | "
             f"{r['x_floor']:.1f} | {r['index_B_per_token_head']:.0f} | {r['kv_bf16_B_per_token_head']} |")
     lines += ["", "Stages (each jitted alone over the same state, separate calls: a call pays what the "
               "loop pays once, so they are not parts of the step above; ms, median). A method that "
@@ -539,8 +562,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: SmolLM2 shape, N = 8k and 16k")
     parser.add_argument("--sizes", type=int, nargs="+", help="key counts N (default 16k 64k 256k 1M)")
     parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], help="head shapes (default both)")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS,
-                        help="sparse methods (dense always runs: every ratio is to it); "
+    parser.add_argument("--methods", nargs="+", choices=[*METHODS, *DENSE_NATIVE], default=DEFAULT_METHODS,
+                        help="sparse methods (dense always runs: every ratio is to it), and dense-native(-bf16); "
                              "the *-native ones only when named")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--loop-steps", type=int, default=8,

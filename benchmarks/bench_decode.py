@@ -39,13 +39,14 @@ import numpy as np
 
 
 def methods(native: bool = False) -> dict:
-    """row name → (generate()'s method, its config); with native, MagicPIG and ParisKV with
-    their selection in jaxkv.native's CPU kernels as two more rows."""
-    from jaxkv.attention import magicpig, pariskv
+    """row name → (generate()'s method, its config); with native, dense, MagicPIG and ParisKV
+    in jaxkv.native's CPU kernels as three more rows (MagicPIG's dense layers in the dense kernel)."""
+    from jaxkv.attention import dense, magicpig, pariskv
 
-    rows = {"dense": (None, None), "magicpig": ("magicpig", magicpig.MagicPIGConfig()),
+    rows = {"dense": ("dense", None), "magicpig": ("magicpig", magicpig.MagicPIGConfig()),
             "pariskv": ("pariskv", pariskv.ParisKVConfig())}
     if native:
+        rows["dense-native"] = ("dense", dense.DenseConfig(kernels="native"))
         rows["magicpig-native"] = ("magicpig", magicpig.MagicPIGConfig(kernels="native"))
         rows["pariskv-native"] = ("pariskv", pariskv.ParisKVConfig(kernels="native"))
     return rows
@@ -82,7 +83,7 @@ def main(argv=None):
     parser.add_argument("--out", default="results/bench_decode.json")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers reference row")
     parser.add_argument("--native", action="store_true",
-                        help="add rows for MagicPIG and ParisKV with kernels='native' (jaxkv.native's CPU kernels)")
+                        help="add rows for dense, MagicPIG and ParisKV with kernels='native' (jaxkv.native's CPU kernels)")
     parser.add_argument("--weights", nargs="+", choices=("f32", "gguf"), default=["f32", "gguf"],
                         help="weights dequantised to float32 and/or kept in the GGUF's blocks (both by default)")
     args = parser.parse_args(argv)
@@ -109,8 +110,8 @@ def main(argv=None):
                   for weights, params in weight_sets.items()}
 
         def decode(weights, method, mcfg):
-            kwargs = {} if mcfg is None else dict(method=method, method_config=mcfg,
-                                                   cache_config=CacheConfig(dense_threshold=0))
+            cache = None if method == "dense" else CacheConfig(dense_threshold=0)
+            kwargs = dict(method=method, method_config=mcfg, cache_config=cache)
             return jaxkv.generate(weight_sets[weights], config, None, max_new_tokens=args.new_tokens, eos_ids=(),
                                   prefilled=shared[weights], **kwargs)
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 import models
 from jaxkv import native
-from jaxkv.attention import common
+from jaxkv.attention import common, dense
 from pallas_kernels import dispatch
 
 # name → (module, config class); imported on first use.
@@ -608,12 +608,14 @@ class Backend:
 
     @property
     def attention(self):
+        # Dense layers' decode steps go to the CPU kernel when the config asks for the
+        # native kernels (DenseConfig, or a sparse method's config for its dense layers).
+        dense_layer = dense.cached_attention(getattr(self.method_config, "kernels", None) == "native")
         if self.method == "dense":
-            return (models.cached_attention,) * self.num_layers
+            return (dense_layer,) * self.num_layers
         sparse = functools.partial(region_attention, method=method_module(self.method),
                                    mcfg=self.method_config, ccfg=self.cache)
-        return tuple(models.cached_attention if l in self.dense_layers else sparse
-                     for l in range(self.num_layers))
+        return tuple(dense_layer if l in self.dense_layers else sparse for l in range(self.num_layers))
 
     def from_prefill(self, staging: models.KVCache, lengths):
         """Every layer's decode state from the prefilled staging cache (dense layers keep their slice).
@@ -640,9 +642,11 @@ def make_backend(config, method: str, method_config, cache_config, max_prompt: i
     """Validate a generate() request and size every cache for it."""
     total = max_prompt + max_new_tokens
     if method == "dense":
-        if method_config is not None or cache_config is not None:
-            raise ValueError("method='dense' takes no method_config or cache_config")
-        return Backend(config.num_layers, "dense", None, None, total, 0)
+        if method_config is not None and not isinstance(method_config, dense.DenseConfig):
+            raise ValueError(f"method_config for 'dense' must be a DenseConfig, got {type(method_config).__name__}")
+        if cache_config is not None:
+            raise ValueError("method='dense' takes no cache_config")
+        return Backend(config.num_layers, "dense", method_config, None, total, 0)
     config_class = method_config_class(method)
     mcfg = method_config if method_config is not None else config_class()
     if not isinstance(mcfg, config_class):

@@ -79,20 +79,21 @@ def _read_prompt(args) -> str:
 
 def cmd_generate(args) -> int:
     from jaxkv import cache as kvcache
+    from jaxkv.attention.dense import DenseConfig
     from jaxkv.generate import generate
 
     text = _read_prompt(args)
     config, params, tokenizer = _load_model(args.model, args.keep_quantized)
     prompt = tokenizer.apply_chat_template(text) if args.chat else text
     ids = tokenizer.encode(prompt)
-    method_config = cache_config = None
-    if args.method != "dense":
+    cache_config = None
+    if args.method == "dense":
+        method_config = config_with_overrides(DenseConfig, args.set) if args.set else None
+    else:
         method_config = config_with_overrides(kvcache.method_config_class(args.method), args.set)
         cache_config = kvcache.CacheConfig(
             sink=args.sink, local=args.local, buffer=args.buffer,
             dense_threshold=0 if args.no_dense_fallback else None, offload=not args.on_device)
-    elif args.set:
-        raise UserError("--set configures a sparse method; --method dense has no parameters")
     result = generate(
         params, config, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.method,

@@ -306,12 +306,14 @@ def write_if(pred, write, *buffers):
     return jax.lax.cond(pred, write, lambda *unchanged: unchanged, *buffers)
 
 
-def cached_attention(q, k, v, positions, cache: KVCache, layer=None):
-    """Write this call's k, v at their positions, then attend to the cache (:func:`prefix_causal_attention`).
+def cached_attention(q, k, v, positions, cache: KVCache, layer=None, *, attend=None):
+    """Write this call's k, v at their positions, then attend to the cache.
 
     ``cache`` is one layer's (an :data:`AttentionFn`), or every layer's with
     ``layer`` the one to use (a :data:`StackedAttentionFn`). Only the new
-    tokens are written; positions past max_len are dropped.
+    tokens are written; positions past max_len are dropped. ``attend(q, k_all,
+    v_all, q_positions)`` attends to one layer's cache: by default
+    :func:`prefix_causal_attention` (jaxkv passes a CPU kernel for decode steps).
     """
     rows = jnp.arange(q.shape[0])[:, None]
     lead = (rows,) if layer is None else (layer, rows)
@@ -328,7 +330,7 @@ def cached_attention(q, k, v, positions, cache: KVCache, layer=None):
     layer_k, layer_v = (cache.k, cache.v) if layer is None else (
         jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False),
         jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False))
-    return prefix_causal_attention(q, layer_k, layer_v, positions), cache
+    return (attend or prefix_causal_attention)(q, layer_k, layer_v, positions), cache
 
 
 def _layer(layer: LayerParams, config: ModelConfig, inv_freq, x, positions, state, attention):

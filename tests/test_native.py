@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import jaxkv
+import models
 from jaxkv import cache as kvcache
 from jaxkv import native
-from jaxkv.attention import common, magicpig, pariskv, rsq
+from jaxkv.attention import common, dense, magicpig, pariskv, rsq
 from jaxkv.cache import HOST, CacheConfig
 from tests.test_generate import _prompts
 from tests.test_kernels_end_to_end import one_layer  # noqa: F401  (fixture)
@@ -308,6 +309,86 @@ def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer, method, mc
         tokens[kernels] = out.tokens, out.keys_read_fraction
     assert tokens["native"] == tokens["xla"]
     assert len(tokens["xla"][0][0]) == 9
+
+
+# ---------------------------------------------------------------- dense decode
+
+def _dense_layer(seed, b, hkv, g, d, s, dtype):
+    """A decode step's query [B, 1, Hkv·G, d] and one layer's cache, laid out as models.KVCache."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, 1, hkv * g, d)) * 1.5, jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((b, hkv, d, s)), dtype)
+    values = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
+    return q, keys, values
+
+
+# The kernel's sums are XLA's in another order: scores over d, the softmax by blocks of
+# 512 keys merged by chunks of 2048. Relative to the largest output entry, under 1e-5.
+DENSE_RTOL = 1e-5
+
+
+# d = 24 and 80 end in a masked tail (of a vector, of a 64-coordinate slice); G = 5 and 7
+# take a group of four query heads, then the rest; S crosses the 512-key blocks and the
+# 2048-key chunks, and the positions stop mid-block; batch rows see different prefixes.
+@pytest.mark.parametrize("hkv, g, d", [(3, 3, 64), (2, 4, 128), (1, 5, 24), (2, 7, 80), (2, 1, 16)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_dense_decode_is_prefix_causal_attention(hkv, g, d, dtype):
+    q, keys, values = _dense_layer(60, 2, hkv, g, d, 4500, dtype)
+    positions = jnp.asarray([[4499], [2100]], jnp.int32)
+    # Over float32 copies of the rows: XLA's bfloat16 path rounds the weights to bfloat16
+    # before the value contraction, the kernel keeps them in float32.
+    want = models.prefix_causal_attention(q, keys.astype(jnp.float32), values.astype(jnp.float32), positions)
+    got = jax.jit(dense.native_decode_attention)(q, keys, values, positions)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=0, atol=DENSE_RTOL * float(jnp.abs(want).max()))
+
+
+def test_native_dense_decode_reads_no_key_past_the_position():
+    """Keys and values past each row's position are NaN: the output is that of the cache cut at
+    the position, so they were not read; a position past the cache sees all of it."""
+    q, keys, values = _dense_layer(61, 3, 2, 3, 64, 1500, jnp.float32)
+    positions = jnp.asarray([[700], [0], [1600]], jnp.int32)
+    seen = jnp.arange(1500)[None, None, :] <= positions[:, :, None]  # [B, 1, S]
+    poisoned_k = jnp.where(seen[:, :, None, :], keys, jnp.nan)
+    poisoned_v = jnp.where(seen[..., None], values, jnp.nan)
+    got = dense.native_decode_attention(q, poisoned_k, poisoned_v, positions)
+    want = models.prefix_causal_attention(q, keys, values, positions)
+    np.testing.assert_allclose(got, want, rtol=0, atol=DENSE_RTOL * float(jnp.abs(want).max()))
+    # position 0: the first value row, exactly
+    np.testing.assert_array_equal(got[1, 0].reshape(2, 3, 64), jnp.repeat(values[1, :, 0][:, None], 3, axis=1))
+
+
+def test_native_dense_decode_of_no_key_is_zero_and_vmaps():
+    q, keys, values = _dense_layer(62, 2, 2, 2, 32, 300, jnp.float32)
+    qg = q.reshape(2, 2, 2, 32)
+    assert not jnp.any(native.dense_decode(qg, keys, values, jnp.asarray([0, 0])))
+    one_by_one = [native.dense_decode(qg[i], keys[i], values[i], 100 + i) for i in range(2)]
+    vmapped = jax.vmap(native.dense_decode)(qg, keys, values, jnp.asarray([100, 101]))
+    np.testing.assert_array_equal(vmapped, jnp.stack(one_by_one))
+
+
+def test_native_dense_decode_refuses_other_layouts():
+    q, keys, values = _dense_layer(63, 1, 2, 3, 64, 100, jnp.float32)
+    qg = q.reshape(1, 2, 3, 64)
+    with pytest.raises(ValueError, match="must both be float32 or both bfloat16"):
+        native.dense_decode(qg, keys, values.astype(jnp.bfloat16), 5)
+    with pytest.raises(ValueError, match=r"needs keys \[..., 2, 64, S\]"):
+        native.dense_decode(qg, keys.swapaxes(-1, -2), values, 5)  # head-major keys
+    with pytest.raises(ValueError, match="DenseConfig.kernels must be one of"):
+        dense.DenseConfig(kernels="auto")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_generate_with_the_native_dense_kernel_gives_the_xla_tokens(one_layer, dtype):  # noqa: F811
+    """Two prompts of different lengths (each row's keys up to its own position), 9 steps."""
+    config, params = one_layer
+    params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    prompts = _prompts([30, 11], seed=12)
+    tokens = {kernels: jaxkv.generate(params, config, prompts, max_new_tokens=9, eos_ids=(), method="dense",
+                                      method_config=dense.DenseConfig(kernels=kernels)).tokens
+              for kernels in ("xla", "native")}
+    assert tokens["native"] == tokens["xla"]
+    assert [len(t) for t in tokens["xla"]] == [9, 9]
 
 
 # ---------------------------------------------------------------- MagicPIG

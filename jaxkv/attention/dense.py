@@ -1,10 +1,59 @@
-"""Dense attention for one KV head: the reference every sparse method is compared with."""
+"""Dense attention: for one KV head, the reference every sparse method is compared with; for
+a dense layer of generate(), how its decode step attends (:class:`DenseConfig`)."""
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+import models
+from jaxkv import native
 from jaxkv.attention import common
+
+KERNEL_MODES = ("xla", "native")
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseConfig:
+    """How generate()'s dense layers attend in a decode step.
+
+    kernels: "xla" (``models.prefix_causal_attention``: every slot of the cache
+        read, those past the query's position masked) or "native" (``jaxkv.native``'s
+        CPU kernel: each sequence's keys up to its position only, float32 or
+        bfloat16 read in place). Prefill attends in XLA either way.
+    """
+
+    kernels: str = "xla"
+
+    def __post_init__(self):
+        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_MODES:
+            raise ValueError(f"DenseConfig.kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
+
+    def uses_native(self) -> bool:
+        return self.kernels == "native"
+
+
+def native_decode_attention(q, k_all, v_all, q_positions):
+    """``models.prefix_causal_attention`` with a decode step (one query per sequence) in
+    ``jaxkv.native.dense_decode``: q [B, 1, Hq, hd], one layer of a ``models.KVCache``,
+    q_positions [B, 1]. A query at position p sees keys 0..p. Longer calls (prefill chunks)
+    stay in XLA."""
+    if q.shape[1] != 1:
+        return models.prefix_causal_attention(q, k_all, v_all, q_positions)
+    b, _, hq, hd = q.shape
+    hkv = k_all.shape[1]
+    out = native.dense_decode(q.reshape(b, hkv, hq // hkv, hd), k_all, v_all, q_positions[:, 0] + 1)
+    return out.reshape(b, 1, hq, hd).astype(q.dtype)
+
+
+def cached_attention(native_kernels: bool):
+    """The attention function of a dense layer of generate(): ``models.cached_attention``,
+    its decode steps in the CPU kernel when ``native_kernels``."""
+    if native_kernels:
+        return functools.partial(models.cached_attention, attend=native_decode_attention)
+    return models.cached_attention
 
 
 def check_qkv(q, k, v) -> None:

@@ -1,5 +1,5 @@
-"""CPU kernels for ParisKV's selection (``pariskv_cpu.cc``) and MagicPIG's sampling
-(``magicpig_cpu.cc``), as XLA FFI custom calls.
+"""CPU kernels for ParisKV's selection (``pariskv_cpu.cc``), MagicPIG's sampling
+(``magicpig_cpu.cc``) and a dense decode step (``dense_cpu.cc``), as XLA FFI custom calls.
 
 The library is compiled on first use with the system C++ compiler against the XLA
 FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 with VBMI,
@@ -10,7 +10,8 @@ platform. :func:`available` says whether that worked;
 ``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank, final top-k and
 the attention over its rows in them; ``MagicPIGConfig(kernels="native")`` MagicPIG's
 query hash and bucket lookups, its sampling (which keys collide), the attention over the
-sample with its correction, and the insertion's merge; ``weights_cpu.cc`` the products
+sample with its correction, and the insertion's merge; ``DenseConfig(kernels="native")``
+the attention of a dense layer's decode step; ``weights_cpu.cc`` the products
 with weight matrices kept in their GGUF blocks (``models.quantized``).
 """
 from __future__ import annotations
@@ -35,7 +36,8 @@ TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "Par
            "jaxkv_top_k": "TopK", "jaxkv_magicpig_query_buckets": "MagicpigQueryBuckets",
            "jaxkv_magicpig_collide": "MagicpigCollide",
            "jaxkv_magicpig_merge": "MagicpigMerge", "jaxkv_magicpig_attend": "MagicpigAttend",
-           "jaxkv_attend_rows": "AttendRows", "jaxkv_quantized_matmul": "QuantizedMatmul"}
+           "jaxkv_attend_rows": "AttendRows", "jaxkv_quantized_matmul": "QuantizedMatmul",
+           "jaxkv_dense_decode": "DenseDecode"}
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2", "gfni")  # byte permutes, bit deposits, bit transposes
 # K and V rows the attention kernels read in place (widened in registers): float32, bfloat16,
 # or uint16 holding bfloat16 bits (how jaxkv.cache stores a bfloat16 retrieval region).
@@ -263,6 +265,26 @@ def magicpig_attend(q: jax.Array, keys: jax.Array, values: jax.Array, mu: jax.Ar
                 tables_used.astype(jnp.int32), k_bits=np.int64(K), min_hits=np.int64(min_hits),
                 tail_terms=np.int64(tail_terms), log_u_floor=np.float32(log_u_floor),
                 masked_score=np.float32(masked_score))
+
+
+def dense_decode(q: jax.Array, keys: jax.Array, values: jax.Array, visible) -> jax.Array:
+    """Softmax attention of q [..., H, G, d] (query head g of KV head h) over the first
+    ``visible`` [...] keys of keys [..., H, d, S] and values [..., H, S, d] (one layer of a
+    ``models.KVCache``: both float32 or both bfloat16, read in place): float32 [..., H, G, d],
+    0 where no key is visible. Scores scaled by 1/sqrt(d), summed in float32; the keys past
+    ``visible`` are not read.
+    """
+    if keys.dtype != values.dtype or keys.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"dense_decode: keys and values must both be float32 or both bfloat16, "
+                         f"got {keys.dtype} and {values.dtype}")
+    lead, (h, d, s) = q.shape[:-3], (q.shape[-3], q.shape[-1], keys.shape[-1])
+    if keys.shape != (*lead, h, d, s) or values.shape != (*lead, h, s, d):
+        raise ValueError(f"dense_decode: q {q.shape} needs keys [..., {h}, {d}, S] and values [..., {h}, S, {d}] "
+                         f"with its leading axes, got {keys.shape} and {values.shape}")
+    _load()
+    call = jax.ffi.ffi_call("jaxkv_dense_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="broadcast_all")
+    return call(q.astype(jnp.float32), keys, values, jnp.broadcast_to(jnp.asarray(visible, jnp.int32), lead))
 
 
 def quantized_matmul(x: jax.Array, blocks: jax.Array, *, q4_1: bool) -> jax.Array:

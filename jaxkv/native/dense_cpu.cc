@@ -1,0 +1,240 @@
+// Dense attention of a decode step on the CPU, as an XLA FFI handler (jaxkv/native/__init__.py
+// builds and registers it): models.prefix_causal_attention for one query per sequence, over one
+// layer of a models.KVCache as it lies (each KV head's keys as columns [d, S], its values as
+// rows [S, d]), float32 or bfloat16. A query at position p reads the keys 0..p only, where XLA
+// reads every slot of the cache and masks the unseen ones.
+//
+// Why: XLA CPU's value contraction (the softmax weights times V) read V at 13 GB/s on a Xeon,
+// half its stream bandwidth, so a dense step at 256k keys took 2x its bandwidth floor there
+// (docs/results/performance.md, "2026-12-05, fifth session"). Here both contractions stream:
+// per tile of 64 keys, the scores of up to four query heads stay in registers while the tile's
+// d key columns are read, then the tile's value rows are summed into each head's output.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using jaxkv_native::bf16;
+using jaxkv_native::exp_or_zero;
+using jaxkv_native::lanes_in_use;
+using jaxkv_native::load16;
+using jaxkv_native::parallel_chunks;
+using jaxkv_native::product;
+
+constexpr int64_t kTile = 64;  // keys whose score sums are in registers at once: 4 vectors per query head
+constexpr int kMaxQueries = 4;  // query heads per pass: up to 16 score sums in registers
+constexpr int64_t kBlock = 512;  // keys per softmax step: the group's scores [kQ, kBlock] stay in L1
+constexpr int64_t kColumns = 8;  // key columns summed per pass over a block
+// Keys per work item: a few items per KV head at 8k keys (both threads busy), few partials
+// to merge at 1M.
+constexpr int64_t kChunk = 2048;
+
+// One KV head's running softmax over some of its keys, unnormalised: o [G, d], l [G], m [G].
+struct Partial {
+  std::vector<float> o, l, m;
+  Partial(int64_t heads, int64_t d)
+      : o(heads * d, 0.0f), l(heads, 0.0f), m(heads, -std::numeric_limits<float>::infinity()) {}
+};
+
+template <typename Row>
+struct Head {
+  const float* q;   // [G, d]
+  const Row* keys;  // [d, stride]: column s is key s
+  const Row* values;  // [stride, d]
+  int64_t heads, d, stride;
+  float scale;
+};
+
+// Query heads [g0, g0 + kQ) over keys [t0, t0 + count), count <= kBlock: their scaled scores
+// into score [kQ, kBlock], -inf past count. The sums go kColumns key columns at a time over the
+// whole block: a cache's columns lie S elements apart (a power of two in the benchmark's
+// caches), so a tile's d column pieces share a few cache sets; kColumns of them at a time
+// stay within the sets' ways, and each column is read as a run of kBlock keys.
+template <int kQ, typename Row>
+void block_scores(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, float* score) {
+  const float* q = h.q + g0 * h.d;
+  for (int64_t c0 = 0; c0 < h.d; c0 += kColumns) {
+    const int64_t c1 = std::min(c0 + kColumns, h.d);
+    for (int64_t j0 = 0; j0 < count; j0 += kTile) {
+      __mmask16 part[4];
+      for (int u = 0; u < 4; ++u) part[u] = lanes_in_use(count - j0 - 16 * u);
+      const bool whole = count - j0 >= kTile;
+      __m512 sum[kQ][4];
+      for (int g = 0; g < kQ; ++g)
+        for (int u = 0; u < 4; ++u)
+          sum[g][u] = c0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(score + g * kBlock + j0 + 16 * u);
+      for (int64_t i = c0; i < c1; ++i) {
+        const Row* column = h.keys + i * h.stride + t0 + j0;
+        __m512 k[4];
+        if (whole) {
+          for (int u = 0; u < 4; ++u) k[u] = load16(column + 16 * u);
+        } else {
+          for (int u = 0; u < 4; ++u) k[u] = load16(column + 16 * u, part[u]);
+        }
+        for (int g = 0; g < kQ; ++g) {
+          const __m512 qi = _mm512_set1_ps(q[g * h.d + i]);
+          for (int u = 0; u < 4; ++u) sum[g][u] = _mm512_fmadd_ps(qi, k[u], sum[g][u]);
+        }
+      }
+      for (int g = 0; g < kQ; ++g)
+        for (int u = 0; u < 4; ++u) _mm512_store_ps(score + g * kBlock + j0 + 16 * u, sum[g][u]);
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(h.scale), unseen = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int g = 0; g < kQ; ++g)
+    for (int64_t j = 0; j < count; j += 16) {
+      float* s = score + g * kBlock + j;
+      _mm512_store_ps(s, _mm512_mask_blend_ps(lanes_in_use(count - j), unseen, _mm512_load_ps(s) * scale));
+    }
+}
+
+// Query heads [g0, g0 + kQ) take keys [t0, t0 + count) into their partial: the running max
+// moves to the block's, the sums are rescaled to it, and each head adds its weights and its
+// weights times the block's value rows (64 coordinates at a time, the kQ x 4 sums in registers).
+template <int kQ, typename Row>
+void add_block(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, Partial& out) {
+  alignas(64) float weight[kQ * kBlock];
+  block_scores<kQ>(h, g0, t0, count, weight);
+  const int64_t lanes = (count + 15) / 16 * 16;
+  for (int g = 0; g < kQ; ++g) {
+    float* w = weight + g * kBlock;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < lanes; j += 16) top = _mm512_max_ps(top, _mm512_load_ps(w + j));
+    const float m_old = out.m[g0 + g], m_new = std::max(m_old, _mm512_reduce_max_ps(top));
+    const float rescale = std::exp(m_old - m_new);  // 0 while nothing was added (m_old = -inf)
+    out.m[g0 + g] = m_new;
+    const __m512 m = _mm512_set1_ps(m_new);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < lanes; j += 16) {
+      const __m512 p = exp_or_zero(_mm512_load_ps(w + j) - m);
+      _mm512_store_ps(w + j, p);
+      total = total + p;
+    }
+    out.l[g0 + g] = out.l[g0 + g] * rescale + _mm512_reduce_add_ps(total);
+    float* o = out.o.data() + (g0 + g) * h.d;
+    for (int64_t i = 0; i < h.d; ++i) o[i] *= rescale;
+  }
+  for (int64_t i0 = 0; i0 < h.d; i0 += 64) {
+    __mmask16 part[4];
+    for (int u = 0; u < 4; ++u) part[u] = lanes_in_use(h.d - i0 - 16 * u);
+    __m512 sum[kQ][4];
+    for (int g = 0; g < kQ; ++g)
+      for (int u = 0; u < 4; ++u) sum[g][u] = _mm512_maskz_loadu_ps(part[u], out.o.data() + (g0 + g) * h.d + i0 + 16 * u);
+    for (int64_t j = 0; j < count; ++j) {
+      const Row* v = h.values + (t0 + j) * h.d + i0;
+      __m512 row[4];
+      for (int u = 0; u < 4; ++u) row[u] = load16(v + 16 * u, part[u]);
+      for (int g = 0; g < kQ; ++g) {
+        const __m512 p = _mm512_set1_ps(weight[g * kBlock + j]);
+        for (int u = 0; u < 4; ++u) sum[g][u] = _mm512_fmadd_ps(p, row[u], sum[g][u]);
+      }
+    }
+    for (int g = 0; g < kQ; ++g)
+      for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(out.o.data() + (g0 + g) * h.d + i0 + 16 * u, part[u], sum[g][u]);
+  }
+}
+
+// Keys [begin, end) of one KV head into its partial, block by block, query heads kMaxQueries at a time.
+template <typename Row>
+void add_keys(const Head<Row>& h, int64_t begin, int64_t end, Partial& out) {
+  for (int64_t t0 = begin; t0 < end; t0 += kBlock) {
+    const int64_t count = std::min(kBlock, end - t0);
+    for (int64_t g0 = 0; g0 < h.heads; g0 += kMaxQueries) {
+      switch (std::min<int64_t>(h.heads - g0, kMaxQueries)) {
+        case 1: add_block<1>(h, g0, t0, count, out); break;
+        case 2: add_block<2>(h, g0, t0, count, out); break;
+        case 3: add_block<3>(h, g0, t0, count, out); break;
+        default: add_block<4>(h, g0, t0, count, out); break;
+      }
+    }
+  }
+}
+
+// Every (batch entry, chunk of keys) on the threads, then per head the chunks' partials merged
+// in order and normalised into out [batch, G, d] (0 for a head that saw no key).
+template <typename Row>
+void attend_heads(ffi::ThreadPool& pool, const std::vector<Head<Row>>& work, const int32_t* visible,
+                  int64_t heads_per_entry, int64_t d, int64_t capacity, float* out) {
+  const int64_t batch = static_cast<int64_t>(work.size()), chunks = (capacity + kChunk - 1) / kChunk;
+  std::vector<Partial> parts(batch * chunks, Partial(heads_per_entry, d));
+  parallel_chunks(pool, batch, capacity, kChunk, [&](int64_t b, int64_t begin, int64_t end) {
+    const int64_t seen = std::clamp<int64_t>(visible[b], 0, capacity);
+    if (begin < seen) add_keys(work[b], begin, std::min(end, seen), parts[b * chunks + begin / kChunk]);
+  });
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t g = 0; g < heads_per_entry; ++g) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, parts[b * chunks + c].m[g]);
+      float* o = out + (b * heads_per_entry + g) * d;
+      std::fill(o, o + d, 0.0f);
+      float total = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const Partial& part = parts[b * chunks + c];
+        if (part.l[g] == 0.0f) continue;
+        const float factor = std::exp(part.m[g] - top);
+        for (int64_t i = 0; i < d; ++i) o[i] += factor * part.o[g * d + i];
+        total += factor * part.l[g];
+      }
+      if (total > 0.0f)
+        for (int64_t i = 0; i < d; ++i) o[i] /= total;
+    }
+}
+
+// q float32 [..., H, G, d]; keys [..., H, d, S] and values [..., H, S, d], both float32 or both
+// bfloat16; visible int32 [...]: the keys each batch entry attends (its query's position + 1).
+// out float32 [..., H, G, d]: the softmax-weighted sum of the visible values, by 1/sqrt(d)-scaled
+// scores.
+ffi::Error dense_decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
+                        ffi::Buffer<ffi::S32> visible, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = keys.dimensions();
+  if (qd.size() < 3 || kd.size() != qd.size())
+    return ffi::Error::InvalidArgument("dense_decode: q [..., H, G, d], keys [..., H, d, S]");
+  const auto type = keys.element_type();
+  if (type != values.element_type() || (type != ffi::DataType::F32 && type != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("dense_decode: keys and values both float32 or both bfloat16");
+  const int64_t kv_heads = qd[qd.size() - 3], heads = qd[qd.size() - 2], d = qd.back(), capacity = kd.back();
+  const int64_t entries = product(qd, 0, qd.size() - 3);
+  if (kd[kd.size() - 3] != kv_heads || kd[kd.size() - 2] != d ||
+      static_cast<int64_t>(keys.element_count()) != entries * kv_heads * d * capacity ||
+      static_cast<int64_t>(values.element_count()) != entries * kv_heads * capacity * d ||
+      visible.element_count() != entries || out->element_count() != q.element_count())
+    return ffi::Error::InvalidArgument("dense_decode: keys [..., H, d, S], values [..., H, S, d], visible [...], "
+                                       "out like q [..., H, G, d]");
+  // One work entry per (batch entry, KV head); visible per work entry.
+  std::vector<int32_t> seen(entries * kv_heads);
+  for (int64_t e = 0; e < entries * kv_heads; ++e) seen[e] = visible.typed_data()[e / kv_heads];
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const auto run = [&](auto row) {
+    using Row = decltype(row);
+    const Row* k = static_cast<const Row*>(keys.untyped_data());
+    const Row* v = static_cast<const Row*>(values.untyped_data());
+    std::vector<Head<Row>> work(entries * kv_heads);
+    for (int64_t e = 0; e < entries * kv_heads; ++e)
+      work[e] = {q.typed_data() + e * heads * d, k + e * d * capacity, v + e * capacity * d, heads, d, capacity, scale};
+    attend_heads(pool, work, seen.data(), heads, d, capacity, out->typed_data());
+  };
+  type == ffi::DataType::F32 ? run(float{}) : run(bf16{});
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DenseDecode, dense_decode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
