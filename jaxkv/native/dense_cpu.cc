@@ -7,8 +7,9 @@
 // Why: XLA CPU's value contraction (the softmax weights times V) read V at 13 GB/s on a Xeon,
 // half its stream bandwidth, so a dense step at 256k keys took 2x its bandwidth floor there
 // (docs/results/performance.md, "2026-12-05, fifth session"). Here both contractions stream:
-// per tile of 64 keys, the scores of up to four query heads stay in registers while the tile's
-// d key columns are read, then the tile's value rows are summed into each head's output.
+// per block of 512 keys, the scores of up to four query heads are summed eight key columns at
+// a time (block_scores says why), then the block's value rows are summed into each head's
+// output, weighted. A block's scores stay in L1, its rows in L2.
 
 #include <immintrin.h>
 
