@@ -378,6 +378,21 @@ def test_native_dense_decode_refuses_other_layouts():
         dense.DenseConfig(kernels="auto")
 
 
+def test_dense_layers_attend_in_the_kernel_when_the_config_asks_for_native_kernels(one_layer):  # noqa: F811
+    config = dataclasses.replace(one_layer[0], num_layers=3)
+
+    def uses_kernel(method, mcfg):
+        backend = kvcache.make_backend(config, method, mcfg, None, 20, 4)
+        return [getattr(f, "keywords", {}).get("attend") is dense.native_decode_attention
+                for f in backend.attention]
+
+    assert uses_kernel("dense", dense.DenseConfig(kernels="native")) == [True] * 3
+    assert uses_kernel("dense", None) == uses_kernel("dense", dense.DenseConfig()) == [False] * 3
+    layers_0_2 = magicpig.MagicPIGConfig(dense_layers=(0, 2))
+    assert uses_kernel("magicpig", dataclasses.replace(layers_0_2, kernels="native")) == [True, False, True]
+    assert uses_kernel("magicpig", layers_0_2) == [False] * 3
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_generate_with_the_native_dense_kernel_gives_the_xla_tokens(one_layer, dtype):  # noqa: F811
     """Two prompts of different lengths (each row's keys up to its own position), 9 steps."""

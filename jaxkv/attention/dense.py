@@ -31,9 +31,6 @@ class DenseConfig:
         if not isinstance(self.kernels, str) or self.kernels not in KERNEL_MODES:
             raise ValueError(f"DenseConfig.kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
 
-    def uses_native(self) -> bool:
-        return self.kernels == "native"
-
 
 def native_decode_attention(q, k_all, v_all, q_positions):
     """``models.prefix_causal_attention`` with a decode step (one query per sequence) in
