@@ -32,6 +32,7 @@ using jaxkv_native::lanes_in_use;
 using jaxkv_native::load16;
 using jaxkv_native::parallel_chunks;
 using jaxkv_native::product;
+using jaxkv_native::rows_of;
 
 constexpr int64_t kTile = 64;  // keys whose score sums are in registers at once: 4 vectors per query head
 constexpr int kMaxQueries = 4;  // query heads per pass: up to 16 score sums in registers
@@ -54,6 +55,7 @@ struct Head {
   const Row* keys;  // [d, stride]: column s is key s
   const Row* values;  // [stride, d]
   int64_t heads, d, stride;
+  int64_t visible;  // the keys attended: [0, visible)
   float scale;
 };
 
@@ -165,13 +167,13 @@ void add_keys(const Head<Row>& h, int64_t begin, int64_t end, Partial& out) {
 // Every (batch entry, chunk of keys) on the threads, then per head the chunks' partials merged
 // in order and normalised into out [batch, G, d] (0 for a head that saw no key).
 template <typename Row>
-void attend_heads(ffi::ThreadPool& pool, const std::vector<Head<Row>>& work, const int32_t* visible,
+void attend_heads(ffi::ThreadPool& pool, const std::vector<Head<Row>>& work,
                   int64_t heads_per_entry, int64_t d, int64_t capacity, float* out) {
   const int64_t batch = static_cast<int64_t>(work.size()), chunks = (capacity + kChunk - 1) / kChunk;
   std::vector<Partial> parts(batch * chunks, Partial(heads_per_entry, d));
   parallel_chunks(pool, batch, capacity, kChunk, [&](int64_t b, int64_t begin, int64_t end) {
-    const int64_t seen = std::clamp<int64_t>(visible[b], 0, capacity);
-    if (begin < seen) add_keys(work[b], begin, std::min(end, seen), parts[b * chunks + begin / kChunk]);
+    const Head<Row>& head = work[b];
+    if (begin < head.visible) add_keys(head, begin, std::min(end, head.visible), parts[b * chunks + begin / kChunk]);
   });
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t g = 0; g < heads_per_entry; ++g) {
@@ -212,18 +214,15 @@ ffi::Error dense_decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
       visible.element_count() != entries || out->element_count() != q.element_count())
     return ffi::Error::InvalidArgument("dense_decode: keys [..., H, d, S], values [..., H, S, d], visible [...], "
                                        "out like q [..., H, G, d]");
-  // One work entry per (batch entry, KV head); visible per work entry.
-  std::vector<int32_t> seen(entries * kv_heads);
-  for (int64_t e = 0; e < entries * kv_heads; ++e) seen[e] = visible.typed_data()[e / kv_heads];
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const auto run = [&](auto row) {
     using Row = decltype(row);
-    const Row* k = static_cast<const Row*>(keys.untyped_data());
-    const Row* v = static_cast<const Row*>(values.untyped_data());
-    std::vector<Head<Row>> work(entries * kv_heads);
+    std::vector<Head<Row>> work(entries * kv_heads);  // one per (batch entry, KV head)
     for (int64_t e = 0; e < entries * kv_heads; ++e)
-      work[e] = {q.typed_data() + e * heads * d, k + e * d * capacity, v + e * capacity * d, heads, d, capacity, scale};
-    attend_heads(pool, work, seen.data(), heads, d, capacity, out->typed_data());
+      work[e] = {q.typed_data() + e * heads * d, rows_of<Row>(keys) + e * d * capacity,
+                 rows_of<Row>(values) + e * capacity * d, heads, d, capacity,
+                 std::clamp<int64_t>(visible.typed_data()[e / kv_heads], 0, capacity), scale};
+    attend_heads(pool, work, heads, d, capacity, out->typed_data());
   };
   type == ffi::DataType::F32 ? run(float{}) : run(bf16{});
   return ffi::Error::Success();

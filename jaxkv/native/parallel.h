@@ -57,6 +57,10 @@ inline __m512 load16(const bf16* p) { return widen(_mm256_loadu_si256(reinterpre
 inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 inline __m512 load16(const bf16* p, __mmask16 lanes) { return widen(_mm256_maskz_loadu_epi16(lanes, p)); }
 
+// An FFI buffer's rows as Row elements (float, or bf16 for bfloat16 or its bits).
+template <typename Row>
+const Row* rows_of(const ffi::AnyBuffer& buffer) { return static_cast<const Row*>(buffer.untyped_data()); }
+
 // exp(x) per lane, 0 where x <= -87 (past float32's normal range; -inf for a key not
 // attended). Those lanes get input 0: libmvec takes a slow scalar path for any lane whose
 // input is -inf or far below -87 (MagicPIG's kernel at 256k: 4.9-5.0 ms with them in,
