@@ -102,9 +102,46 @@ void block_scores(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, flo
     }
 }
 
+// Query heads [g0, g0 + kN) add their weights [kN, kBlock] times the value rows [t0, t0 + count)
+// to their sums in out.o, 16 * kV coordinates of each row at a time (all of a row for d <= 16 * kV),
+// the kN x kV sums in registers. Whole rows per pass keep the rows a stream of contiguous lines:
+// over Llama's heads (d = 128) two passes over half rows took 1.5x the streamed read of the
+// cache, one pass over whole rows per pair of heads 1.4x (docs/results/performance.md, seventh session).
+template <int kN, int kV, typename Row>
+void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, const float* weight, Partial& out) {
+  for (int64_t i0 = 0; i0 < h.d; i0 += 16 * kV) {
+    __mmask16 part[kV];
+    for (int u = 0; u < kV; ++u) part[u] = lanes_in_use(h.d - i0 - 16 * u);
+    __m512 sum[kN][kV];
+    for (int g = 0; g < kN; ++g)
+      for (int u = 0; u < kV; ++u) sum[g][u] = _mm512_maskz_loadu_ps(part[u], out.o.data() + (g0 + g) * h.d + i0 + 16 * u);
+    for (int64_t j = 0; j < count; ++j) {
+      const Row* v = h.values + (t0 + j) * h.d + i0;
+      __m512 row[kV];
+      for (int u = 0; u < kV; ++u) row[u] = load16(v + 16 * u, part[u]);
+      for (int g = 0; g < kN; ++g) {
+        const __m512 p = _mm512_set1_ps(weight[g * kBlock + j]);
+        for (int u = 0; u < kV; ++u) sum[g][u] = _mm512_fmadd_ps(p, row[u], sum[g][u]);
+      }
+    }
+    for (int g = 0; g < kN; ++g)
+      for (int u = 0; u < kV; ++u) _mm512_mask_storeu_ps(out.o.data() + (g0 + g) * h.d + i0 + 16 * u, part[u], sum[g][u]);
+  }
+}
+
+// The value rows of a block into the sums of query heads [g0, g0 + kQ), as many heads per pass
+// as keep 16 sums in registers.
+template <int kQ, int kV, typename Row>
+void add_values(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, const float* weight, Partial& out) {
+  constexpr int kN = std::min(kQ, 16 / kV);
+  for (int g = 0; g + kN <= kQ; g += kN) add_value_rows<kN, kV>(h, g0 + g, t0, count, weight + g * kBlock, out);
+  if constexpr (kQ % kN != 0)
+    add_value_rows<kQ % kN, kV>(h, g0 + kQ - kQ % kN, t0, count, weight + (kQ - kQ % kN) * kBlock, out);
+}
+
 // Query heads [g0, g0 + kQ) take keys [t0, t0 + count) into their partial: the running max
 // moves to the block's, the sums are rescaled to it, and each head adds its weights and its
-// weights times the block's value rows (64 coordinates at a time, the kQ x 4 sums in registers).
+// weights times the block's value rows.
 template <int kQ, typename Row>
 void add_block(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, Partial& out) {
   alignas(64) float weight[kQ * kBlock];
@@ -128,23 +165,13 @@ void add_block(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, Partia
     float* o = out.o.data() + (g0 + g) * h.d;
     for (int64_t i = 0; i < h.d; ++i) o[i] *= rescale;
   }
-  for (int64_t i0 = 0; i0 < h.d; i0 += 64) {
-    __mmask16 part[4];
-    for (int u = 0; u < 4; ++u) part[u] = lanes_in_use(h.d - i0 - 16 * u);
-    __m512 sum[kQ][4];
-    for (int g = 0; g < kQ; ++g)
-      for (int u = 0; u < 4; ++u) sum[g][u] = _mm512_maskz_loadu_ps(part[u], out.o.data() + (g0 + g) * h.d + i0 + 16 * u);
-    for (int64_t j = 0; j < count; ++j) {
-      const Row* v = h.values + (t0 + j) * h.d + i0;
-      __m512 row[4];
-      for (int u = 0; u < 4; ++u) row[u] = load16(v + 16 * u, part[u]);
-      for (int g = 0; g < kQ; ++g) {
-        const __m512 p = _mm512_set1_ps(weight[g * kBlock + j]);
-        for (int u = 0; u < 4; ++u) sum[g][u] = _mm512_fmadd_ps(p, row[u], sum[g][u]);
-      }
-    }
-    for (int g = 0; g < kQ; ++g)
-      for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(out.o.data() + (g0 + g) * h.d + i0 + 16 * u, part[u], sum[g][u]);
+  const int64_t vectors = (h.d + 15) / 16;  // per value row
+  if (vectors <= 4) {
+    add_values<kQ, 4>(h, g0, t0, count, weight, out);
+  } else if (vectors <= 8) {
+    add_values<kQ, 8>(h, g0, t0, count, weight, out);
+  } else {
+    add_values<kQ, 16>(h, g0, t0, count, weight, out);
   }
 }
 
