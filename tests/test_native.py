@@ -327,10 +327,13 @@ def _dense_layer(seed, b, hkv, g, d, s, dtype):
 DENSE_RTOL = 1e-5
 
 
-# d = 24 and 80 end in a masked tail (of a vector, of a 64-coordinate slice); G = 5 and 7
-# take a group of four query heads, then the rest; S crosses the 512-key blocks and the
-# 2048-key chunks, and the positions stop mid-block; batch rows see different prefixes.
-@pytest.mark.parametrize("hkv, g, d", [(3, 3, 64), (2, 4, 128), (1, 5, 24), (2, 7, 80), (2, 1, 16)])
+# The value rows are summed 64, 128 or 256 coordinates at a time (d <= 64, <= 128, more), by
+# 4, 2 or 1 query heads at once: d = 24, 80 and 288 end in a masked tail (of a vector, of a
+# row's 128 coordinates, of a second 256-coordinate slice); G = 5 and 7 take a group of four
+# query heads, then the rest, and G = 7 with d = 80 leaves a pass of one head; S crosses the
+# 512-key blocks and the 2048-key chunks, and the positions stop mid-block; batch rows see
+# different prefixes.
+@pytest.mark.parametrize("hkv, g, d", [(3, 3, 64), (2, 4, 128), (1, 5, 24), (2, 7, 80), (2, 1, 16), (1, 3, 288)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_native_dense_decode_is_prefix_causal_attention(hkv, g, d, dtype):
     q, keys, values = _dense_layer(60, 2, hkv, g, d, 4500, dtype)
