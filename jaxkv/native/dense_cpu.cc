@@ -31,6 +31,7 @@ using jaxkv_native::exp_or_zero;
 using jaxkv_native::lanes_in_use;
 using jaxkv_native::load16;
 using jaxkv_native::parallel_chunks;
+using jaxkv_native::prefetch_lines;
 using jaxkv_native::product;
 using jaxkv_native::rows_of;
 
@@ -41,6 +42,10 @@ constexpr int64_t kColumns = 8;  // key columns summed per pass over a block
 // Keys per work item: a few items per KV head at 8k keys (both threads busy), few partials
 // to merge at 1M.
 constexpr int64_t kChunk = 2048;
+// How far ahead of its reads the first pass over a block's value rows fetches them. The
+// hardware prefetcher falls behind a stream read with arithmetic between the loads; a
+// software prefetch 8 KB ahead kept it up (docs/results/performance.md, seventh session).
+constexpr int64_t kValuesAheadBytes = 8192;
 
 // One KV head's running softmax over some of its keys, unnormalised: o [G, d], l [G], m [G].
 struct Partial {
@@ -63,7 +68,9 @@ struct Head {
 // into score [kQ, kBlock], -inf past count. The sums go kColumns key columns at a time over the
 // whole block: a cache's columns lie S elements apart (a power of two in the benchmark's
 // caches), so a tile's d column pieces share a few cache sets; kColumns of them at a time
-// stay within the sets' ways, and each column is read as a run of kBlock keys.
+// stay within the sets' ways, and each column is read as a run of kBlock keys. Each tile
+// fetches the same tile of the next kColumns columns (of the next block's first ones, after
+// the last), so the reads run a group of columns ahead of the sums.
 template <int kQ, typename Row>
 void block_scores(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, float* score) {
   const float* q = h.q + g0 * h.d;
@@ -77,8 +84,15 @@ void block_scores(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, flo
       for (int g = 0; g < kQ; ++g)
         for (int u = 0; u < 4; ++u)
           sum[g][u] = c0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(score + g * kBlock + j0 + 16 * u);
+      const bool last_group = c0 + kColumns >= h.d;
+      const int64_t next_t = t0 + j0 + (last_group ? kBlock : 0);
       for (int64_t i = c0; i < c1; ++i) {
         const Row* column = h.keys + i * h.stride + t0 + j0;
+        const int64_t next_i = last_group ? i - c0 : i + kColumns;
+        if (next_i < h.d && next_t < h.visible) {
+          const Row* next = h.keys + next_i * h.stride + next_t;
+          prefetch_lines(next, next + std::min(kTile, h.visible - next_t));
+        }
         __m512 k[4];
         if (whole) {
           for (int u = 0; u < 4; ++u) k[u] = load16(column + 16 * u);
@@ -106,9 +120,13 @@ void block_scores(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, flo
 // to their sums in out.o, 16 * kV coordinates of each row at a time (all of a row for d <= 16 * kV),
 // the kN x kV sums in registers. Whole rows per pass keep the rows a stream of contiguous lines:
 // over Llama's heads (d = 128) two passes over half rows took 1.5x the streamed read of the
-// cache, one pass over whole rows per pair of heads 1.4x (docs/results/performance.md, seventh session).
+// cache, one pass over whole rows per pair of heads 1.4x (docs/results/performance.md, seventh
+// session). The block's first pass (fetch_ahead) fetches the rows kValuesAheadBytes ahead; the
+// later passes find the block's rows in L2.
 template <int kN, int kV, typename Row>
-void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, const float* weight, Partial& out) {
+void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, const float* weight, Partial& out,
+                    bool fetch_ahead) {
+  const int64_t rows_ahead = std::max<int64_t>(1, kValuesAheadBytes / (h.d * static_cast<int64_t>(sizeof(Row))));
   for (int64_t i0 = 0; i0 < h.d; i0 += 16 * kV) {
     __mmask16 part[kV];
     for (int u = 0; u < kV; ++u) part[u] = lanes_in_use(h.d - i0 - 16 * u);
@@ -117,6 +135,10 @@ void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, c
       for (int u = 0; u < kV; ++u) sum[g][u] = _mm512_maskz_loadu_ps(part[u], out.o.data() + (g0 + g) * h.d + i0 + 16 * u);
     for (int64_t j = 0; j < count; ++j) {
       const Row* v = h.values + (t0 + j) * h.d + i0;
+      if (fetch_ahead && i0 == 0 && t0 + j + rows_ahead < h.visible) {
+        const Row* later = h.values + (t0 + j + rows_ahead) * h.d;
+        prefetch_lines(later, later + h.d);
+      }
       __m512 row[kV];
       for (int u = 0; u < kV; ++u) row[u] = load16(v + 16 * u, part[u]);
       for (int g = 0; g < kN; ++g) {
@@ -130,13 +152,14 @@ void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, c
 }
 
 // The value rows of a block into the sums of query heads [g0, g0 + kQ), as many heads per pass
-// as keep 16 sums in registers.
+// as keep 16 sums in registers. The first pass of the first group (g0 = 0) reads the rows from DRAM.
 template <int kQ, int kV, typename Row>
 void add_values(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, const float* weight, Partial& out) {
   constexpr int kN = std::min(kQ, 16 / kV);
-  for (int g = 0; g + kN <= kQ; g += kN) add_value_rows<kN, kV>(h, g0 + g, t0, count, weight + g * kBlock, out);
+  for (int g = 0; g + kN <= kQ; g += kN)
+    add_value_rows<kN, kV>(h, g0 + g, t0, count, weight + g * kBlock, out, g0 == 0 && g == 0);
   if constexpr (kQ % kN != 0)
-    add_value_rows<kQ % kN, kV>(h, g0 + kQ - kQ % kN, t0, count, weight + (kQ - kQ % kN) * kBlock, out);
+    add_value_rows<kQ % kN, kV>(h, g0 + kQ - kQ % kN, t0, count, weight + (kQ - kQ % kN) * kBlock, out, false);
 }
 
 // Query heads [g0, g0 + kQ) take keys [t0, t0 + count) into their partial: the running max
