@@ -118,7 +118,7 @@ METHODS = {
     "magicpig": Method("magicpig K10L150", magicpig, magicpig.MagicPIGConfig()),
     "pariskv-100": Method("pariskv top100", pariskv, pariskv.ParisKVConfig(top_k=100)),
     "pariskv-2048": Method("pariskv top2048", pariskv, pariskv.ParisKVConfig(top_k=2048)),
-    # The same selection in jaxkv.native's CPU kernels (not in the default run: AVX-512 VBMI only),
+    # The same selection in jaxkv.native's CPU kernels (not in the default run: AVX-512 VBMI and VBMI2 only),
     # and with a bfloat16 cache, whose rows the kernels read in place.
     **{name: Method(*spec) for name, spec in _NATIVE.items()},
     **{f"{name}-bf16": Method(f"{label} bf16", module, cfg, jnp.bfloat16) for name, (label, module, cfg) in _NATIVE.items()},

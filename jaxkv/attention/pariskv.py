@@ -62,7 +62,7 @@ class ParisKVConfig:
     "pallas" (always, compiled) or "interpret" (always, Pallas interpret mode)
     for the coarse vote, the rerank and the cache's gather-attention; "native":
     the coarse vote, the rerank and the final top-k in ``jaxkv.native``'s CPU
-    kernels (m = 8, d ≤ 128, a CPU with AVX-512 VBMI and a C++ compiler), the rest in XLA.
+    kernels (m = 8, d ≤ 128, a CPU with AVX-512 VBMI and VBMI2 and a C++ compiler), the rest in XLA.
     """
 
     m: int = 8

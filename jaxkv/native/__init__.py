@@ -2,7 +2,7 @@
 (``magicpig_cpu.cc``) and a dense decode step (``dense_cpu.cc``), as XLA FFI custom calls.
 
 The library is compiled on first use with the system C++ compiler against the XLA
-FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 with VBMI,
+FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 with VBMI and VBMI2,
 BMI2 and GFNI) and linked with glibc's vector math (libmvec, glibc 2.35 or later), cached
 under ``$JAXKV_NATIVE_CACHE`` (default ``~/.cache/jaxkv/native``) by a digest of the
 sources, the compiler command and this CPU, and registered with ``jax.ffi`` for the CPU
@@ -38,7 +38,7 @@ TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "Par
            "jaxkv_magicpig_merge": "MagicpigMerge", "jaxkv_magicpig_attend": "MagicpigAttend",
            "jaxkv_attend_rows": "AttendRows", "jaxkv_quantized_matmul": "QuantizedMatmul",
            "jaxkv_dense_decode": "DenseDecode"}
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "bmi2", "gfni")  # byte permutes, bit deposits, bit transposes
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "avx512_vbmi2", "bmi2", "gfni")  # byte permutes and compresses, bit deposits, bit transposes
 # K and V rows the attention kernels read in place (widened in registers): float32, bfloat16,
 # or uint16 holding bfloat16 bits (how jaxkv.cache stores a bfloat16 retrieval region).
 ROW_DTYPES = (jnp.float32, jnp.bfloat16, jnp.uint16)

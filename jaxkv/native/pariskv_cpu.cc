@@ -145,14 +145,18 @@ void vote_range(const uint8_t* signs, int64_t begin, int64_t end, int64_t n_sub,
 // The mask of the first min(rows, 64) of 64 bytes: a whole block, or the last one.
 __mmask64 first_rows(int64_t rows) { return rows >= 64 ? ~0ull : (1ull << rows) - 1; }
 
-// How many of votes[0, cap) are >= t.
-int64_t count_at_least(const uint8_t* votes, int64_t cap, int t) {
-  const __m512i threshold = _mm512_set1_epi8(static_cast<char>(t));
-  int64_t total = 0;
-  for (int64_t base = 0; base < cap; base += 64) {
-    const __mmask64 in_range = first_rows(cap - base);
-    total += __builtin_popcountll(
-        _mm512_mask_cmpge_epu8_mask(in_range, _mm512_maskz_loadu_epi8(in_range, votes + base), threshold));
+// counts[i]: how many of votes[0, rows) are >= t[i] (kProbes thresholds, one pass).
+constexpr int kProbes = 7;
+using Probes = std::array<int, kProbes>;
+std::array<int64_t, kProbes> count_at_least(const uint8_t* votes, int64_t rows, const Probes& t) {
+  __m512i threshold[kProbes];
+  for (int i = 0; i < kProbes; ++i) threshold[i] = _mm512_set1_epi8(static_cast<char>(t[i]));
+  std::array<int64_t, kProbes> total{};
+  for (int64_t base = 0; base < rows; base += 64) {
+    const __mmask64 in_range = first_rows(rows - base);
+    const __m512i v = _mm512_maskz_loadu_epi8(in_range, votes + base);
+    for (int i = 0; i < kProbes; ++i)
+      total[i] += __builtin_popcountll(_mm512_mask_cmpge_epu8_mask(in_range, v, threshold[i]));
   }
   return total;
 }
@@ -212,40 +216,91 @@ void subspace_votes(const float* score, const int32_t* count, const float* caps,
   }
 }
 
-// Rows [count] of one head from its votes[cap]: every row voting above the threshold t
-// and the lowest rows at t. Rows >= n vote -1 (stored as 0), so with n < count the rows
-// n, n+1, … fill in.
-void most_voted_rows(const uint8_t* votes, int64_t cap, int64_t count, int32_t* out) {
-  // t: the largest value with at least `count` rows at or above it (bisection).
-  int lo = 0, hi = kMaxVote + 1;  // count_at_least(lo) >= count > count_at_least(hi)
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    (count_at_least(votes, cap, mid) >= count ? lo : hi) = mid;
+// A head's `count` rows: every row voting above a threshold t and the lowest rows at t,
+// ascending. Rows >= n vote -1 (stored as 0), so with n < count the rows n, n+1, … fill in.
+// The votes are counted and the rows written out block by block (kVoteRows rows), the
+// blocks split over the threads as the votes are: with whole heads split over two threads,
+// one thread took two of SmolLM2's three heads.
+
+// t is the largest value with at least `count` rows at or above it. Each pass counts
+// kProbes thresholds spread over the bracket (lo, hi), ascending; once hi - lo <= kProbes + 1
+// they are every value between, so that pass ends the search. With 6 tiers and B = 8
+// (votes + 1 in 1 … 49) it takes two passes, the first run by the vote pass on each block's
+// fresh votes; a bisection took seven passes over a head's votes and an eighth for the
+// count above t.
+struct Search {
+  int lo, hi;  // count_at_least(lo) >= count > count_at_least(hi)
+  bool open() const { return hi - lo > 1; }
+  Probes probes() const {
+    Probes t;
+    for (int i = 0; i < kProbes; ++i) t[i] = lo + (i + 1) * (hi - lo) / (kProbes + 1);
+    return t;
   }
-  const int t = lo;
-  const int64_t above = t == kMaxVote ? 0 : count_at_least(votes, cap, t + 1);
-  // 64 rows at a time: a mask of the rows above t and of the first ties still wanted (all
-  // of the block's ties, or its lowest `ties` by a bit deposit), written out 16 rows at a
-  // time by a compress. No branch depends on the votes.
-  int64_t ties = count - above, k = 0;
+};
+
+// One block's rows voting at least each probe of the pass, at least lo and at least hi;
+// then where its rows start in the head's output and how many of its ties at lo it keeps.
+struct BlockCounts {
+  std::array<int64_t, kProbes> at_probe{};
+  int64_t at_lo = 0, at_hi = 0, first = 0, ties_kept = 0;
+};
+
+// Moves the bracket to the pass's counts, summed over the head's blocks.
+void narrow(Search& search, BlockCounts* blocks, int64_t n_blocks, int64_t count) {
+  const Probes t = search.probes();
+  for (int i = 0; i < kProbes; ++i) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < n_blocks; ++b) total += blocks[b].at_probe[i];
+    const bool enough = total >= count;
+    (enough ? search.lo : search.hi) = t[i];
+    for (int64_t b = 0; b < n_blocks; ++b) (enough ? blocks[b].at_lo : blocks[b].at_hi) = blocks[b].at_probe[i];
+    if (!enough) return;
+  }
+}
+
+// Once the search has ended (hi = t + 1): every row above t is kept, and the ties at t
+// still wanted go to the lowest blocks first.
+void place_blocks(BlockCounts* blocks, int64_t n_blocks, int64_t count) {
+  int64_t ties_wanted = count, first = 0;
+  for (int64_t b = 0; b < n_blocks; ++b) ties_wanted -= blocks[b].at_hi;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    blocks[b].ties_kept = std::min(blocks[b].at_lo - blocks[b].at_hi, ties_wanted);
+    ties_wanted -= blocks[b].ties_kept;
+    blocks[b].first = first;
+    first += blocks[b].at_hi + blocks[b].ties_kept;
+  }
+}
+
+// Rows [begin, end) voting above t and the lowest `ties` of those at t, ascending, into out.
+// 64 rows at a time: the mask of the rows kept (the ties all, or the lowest still wanted by
+// a bit deposit), their offsets compressed into a register's low bytes, written out 16 row
+// numbers a store. The only branch on the votes is that loop's, whose second store (more than
+// 16 of 64 rows kept) is rare at C = N/10 unless the kept rows cluster.
+void write_rows(const uint8_t* votes, int64_t begin, int64_t end, int t, int64_t ties, int32_t* out) {
+  alignas(64) static constexpr uint8_t kOffsets[64] = {
+      0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+      22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43,
+      44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
+  const __m512i offsets = _mm512_load_si512(kOffsets);
   const __m512i threshold = _mm512_set1_epi8(static_cast<char>(t));
-  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t base = 0; base < cap; base += 64) {
-    const __mmask64 in_range = first_rows(cap - base);
+  int64_t k = 0;
+  for (int64_t base = begin; base < end; base += 64) {
+    const __mmask64 in_range = first_rows(end - base);
     const __m512i v = _mm512_maskz_loadu_epi8(in_range, votes + base);
     const uint64_t tie = _mm512_mask_cmpeq_epu8_mask(in_range, v, threshold);
     const int64_t n_tie = __builtin_popcountll(tie);
     const uint64_t taken = n_tie <= ties ? tie : _pdep_u64((1ull << ties) - 1, tie);  // ties < n_tie <= 64
     ties -= std::min(n_tie, ties);
     const uint64_t keep = _mm512_mask_cmpgt_epu8_mask(in_range, v, threshold) | taken;
-    for (int quarter = 0; quarter < 4; ++quarter) {
-      const __mmask16 rows = static_cast<__mmask16>(keep >> (16 * quarter));
-      const int n_rows = __builtin_popcount(rows);
-      const __m512i ids = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(base + 16 * quarter)));
-      _mm512_mask_storeu_epi32(out + k, static_cast<__mmask16>((1u << n_rows) - 1),
-                               _mm512_maskz_compress_epi32(rows, ids));
-      k += n_rows;
+    const int64_t n_rows = __builtin_popcountll(keep);
+    __m512i kept = _mm512_maskz_compress_epi8(keep, offsets);
+    for (int64_t i = 0; i < n_rows; i += 16) {
+      const __m512i rows = _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(kept)),
+                                            _mm512_set1_epi32(static_cast<int32_t>(base)));
+      _mm512_mask_storeu_epi32(out + k + i, jaxkv_native::lanes_in_use(n_rows - i), rows);
+      kept = _mm512_alignr_epi32(_mm512_setzero_si512(), kept, 4);  // the next 16 offsets
     }
+    k += n_rows;
   }
 }
 
@@ -269,24 +324,48 @@ ffi::Error coarse(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
     if (!std::is_sorted(head_caps, head_caps + n_tiers))
       return ffi::Error::InvalidArgument("pariskv_coarse: the tier caps must ascend");
   }
-  // Three passes, each split over the threads: the vote tables by subspace, the votes in
-  // blocks of kVoteRows rows, then each head's threshold and rows.
+  // Passes split over the threads: the vote tables by subspace; the votes and the first
+  // counts in blocks of kVoteRows rows; the searches' further counts; each head's blocks
+  // placed; their rows written out.
   constexpr int64_t kVoteRows = 16384;  // a multiple of 64
+  const int64_t n_blocks = (cap + kVoteRows - 1) / kVoteRows;
+  const auto block_at = [&](int64_t h, int64_t begin) { return h * n_blocks + begin / kVoteRows; };
   std::vector<uint8_t> luts(batch * n_sub * kPatterns);
   parallel_for(pool, batch * n_sub, [&](int64_t item) {
     subspace_votes(scores.typed_data() + item * kPatterns, counts.typed_data() + item * kPatterns,
                    caps.typed_data() + item / n_sub * n_tiers, n_tiers, luts.data() + item * kPatterns);
   }, /*linger=*/true);
   std::unique_ptr<uint8_t[]> votes(new uint8_t[batch * cap]);
+  const Search first_search{0, static_cast<int>(n_tiers * n_sub) + 2};  // votes + 1 <= tiers × B + 1
+  std::vector<Search> search(batch, first_search);
+  std::vector<BlockCounts> blocks(batch * n_blocks);
   parallel_chunks(pool, batch, cap, kVoteRows, [&](int64_t h, int64_t begin, int64_t end) {
     const int64_t valid_end = std::clamp<int64_t>(n.typed_data()[h], begin, end);
     uint8_t* head_votes = votes.get() + h * cap;
     vote_range(signs.typed_data() + h * cap * n_sub, begin, valid_end, n_sub, luts.data() + h * n_sub * kPatterns,
                head_votes);
     std::memset(head_votes + valid_end, 0, end - valid_end);  // rows >= n
+    BlockCounts& block = blocks[block_at(h, begin)];
+    block.at_probe = count_at_least(head_votes + begin, end - begin, first_search.probes());
+    block.at_lo = end - begin;  // every row votes at least 0
   }, /*linger=*/true);
-  parallel_for(pool, batch, [&](int64_t h) {
-    most_voted_rows(votes.get() + h * cap, cap, count, out->typed_data() + h * count);
+  for (bool open = true; open;) {
+    open = false;
+    for (int64_t h = 0; h < batch; ++h) {
+      if (!search[h].open()) continue;
+      narrow(search[h], &blocks[block_at(h, 0)], n_blocks, count);
+      open |= search[h].open();
+    }
+    if (open)
+      parallel_chunks(pool, batch, cap, kVoteRows, [&](int64_t h, int64_t begin, int64_t end) {
+        if (search[h].open())
+          blocks[block_at(h, begin)].at_probe = count_at_least(votes.get() + h * cap + begin, end - begin, search[h].probes());
+      }, /*linger=*/true);
+  }
+  for (int64_t h = 0; h < batch; ++h) place_blocks(&blocks[block_at(h, 0)], n_blocks, count);
+  parallel_chunks(pool, batch, cap, kVoteRows, [&](int64_t h, int64_t begin, int64_t end) {
+    const BlockCounts& block = blocks[block_at(h, begin)];
+    write_rows(votes.get() + h * cap, begin, end, search[h].lo, block.ties_kept, out->typed_data() + h * count + block.first);
   }, /*linger=*/true);  // the rerank kernel follows
   return ffi::Error::Success();
 }
