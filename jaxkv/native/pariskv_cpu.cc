@@ -226,8 +226,8 @@ void subspace_votes(const float* score, const int32_t* count, const float* caps,
 // kProbes thresholds spread over the bracket (lo, hi), ascending; once hi - lo <= kProbes + 1
 // they are every value between, so that pass ends the search. With 6 tiers and B = 8
 // (votes + 1 in 1 … 49) it takes two passes, the first run by the vote pass on each block's
-// fresh votes; a bisection took seven passes over a head's votes and an eighth for the
-// count above t.
+// fresh votes; a bisection over the byte's 256 values took eight passes over a head's votes
+// and a ninth for the count above t.
 struct Search {
   int lo, hi;  // count_at_least(lo) >= count > count_at_least(hi)
   bool open() const { return hi - lo > 1; }
@@ -297,7 +297,7 @@ void write_rows(const uint8_t* votes, int64_t begin, int64_t end, int t, int64_t
     for (int64_t i = 0; i < n_rows; i += 16) {
       const __m512i rows = _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(kept)),
                                             _mm512_set1_epi32(static_cast<int32_t>(base)));
-      _mm512_mask_storeu_epi32(out + k + i, jaxkv_native::lanes_in_use(n_rows - i), rows);
+      _mm512_mask_storeu_epi32(out + k + i, lanes_in_use(n_rows - i), rows);
       kept = _mm512_alignr_epi32(_mm512_setzero_si512(), kept, 4);  // the next 16 offsets
     }
     k += n_rows;
