@@ -24,8 +24,7 @@ from jaxkv.cache import HOST, CacheConfig
 from tests.test_generate import _prompts
 from tests.test_kernels_end_to_end import one_layer  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.skipif(not native.available(),
-                                reason="jaxkv.native needs an x86-64 CPU with AVX-512 VBMI and VBMI2, BMI2, GFNI and a C++ compiler")
+pytestmark = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
 
 SCORE_RTOL = 1e-5
 CFG = pariskv.ParisKVConfig(top_k=40, kernels="native")

@@ -20,8 +20,7 @@ from jaxkv import native, sharding
 from models import quantized
 
 FORMATS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
-native_only = pytest.mark.skipif(not native.available(),
-                                 reason="jaxkv.native needs an x86-64 CPU with AVX-512 VBMI and VBMI2, BMI2, GFNI and a C++ compiler")
+native_only = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
 
 
 def random_blocks(rng, fmt: str, rows: int, cols: int) -> np.ndarray:

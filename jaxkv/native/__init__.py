@@ -6,7 +6,7 @@ FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 w
 BMI2 and GFNI) and linked with glibc's vector math (libmvec, glibc 2.35 or later), cached
 under ``$JAXKV_NATIVE_CACHE`` (default ``~/.cache/jaxkv/native``) by a digest of the
 sources, the compiler command and this CPU, and registered with ``jax.ffi`` for the CPU
-platform. :func:`available` says whether that worked;
+platform. :func:`available` says whether that worked, :func:`unavailable_reason` why not;
 ``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank, final top-k and
 the attention over its rows in them; ``MagicPIGConfig(kernels="native")`` MagicPIG's
 query hash and bucket lookups, its sampling (which keys collide), the attention over the
@@ -89,17 +89,20 @@ def _library_path() -> pathlib.Path:
 
 def _register() -> None:
     flags = _cpu_flags().split()
-    if platform.machine() not in ("x86_64", "AMD64") or not all(f in flags for f in REQUIRED_CPU_FLAGS):
-        raise NativeUnavailable(f"the CPU kernels need an x86-64 CPU with {', '.join(REQUIRED_CPU_FLAGS)}")
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+    if platform.machine() not in ("x86_64", "AMD64") or missing:
+        raise NativeUnavailable(f"the CPU kernels need an x86-64 CPU with {', '.join(REQUIRED_CPU_FLAGS)}; "
+                                f"this one is {platform.machine()} without {', '.join(missing) or 'none of them'}")
     library = ctypes.cdll.LoadLibrary(str(_library_path()))
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
 @functools.cache
-def _unavailable_reason() -> str | None:
-    """None once the kernels are registered, else why not: decided once per process, so a
-    failed build is not retried (seconds of compiling) on every call."""
+def unavailable_reason() -> str | None:
+    """None once the kernels are registered (building them if needed), else why not: the
+    CPU flags missing or the compiler's error. Decided once per process, so a failed build
+    is not retried (seconds of compiling) on every call."""
     try:
         _register()
     except NativeUnavailable as error:
@@ -108,14 +111,14 @@ def _unavailable_reason() -> str | None:
 
 
 def _load() -> None:
-    reason = _unavailable_reason()
+    reason = unavailable_reason()
     if reason is not None:
         raise NativeUnavailable(reason)
 
 
 def available() -> bool:
     """Whether the CPU kernels are built and registered (building them if needed)."""
-    return _unavailable_reason() is None
+    return unavailable_reason() is None
 
 
 def coarse_rows(signs: jax.Array, scores: jax.Array, bucket_counts: jax.Array, caps: jax.Array, n,
