@@ -1,5 +1,6 @@
-"""jaxkv.native on a CPU that lacks an instruction set the kernels need: the reason names it,
-and a kernel call refuses with it rather than failing to compile or crashing."""
+"""jaxkv.native where the kernels cannot be had: on a CPU that lacks an instruction set they
+need the reason names it, and a kernel call refuses with it rather than failing to compile or
+crashing; when the compiler fails, the reason is its errors."""
 import jax.numpy as jnp
 import pytest
 
@@ -25,3 +26,24 @@ def test_a_missing_flag_is_the_reason(cpu_without, flag):
     assert native.unavailable_reason().endswith(f"without {flag}")
     with pytest.raises(native.NativeUnavailable, match=f"without {flag}$"):
         native.top_k(jnp.arange(4.0), 1)
+
+
+def test_a_failed_build_reports_the_compiler_errors_not_its_warnings(tmp_path, monkeypatch):
+    """A compiler that fails after pages of warnings (as jaxlib's FFI headers draw from g++):
+    the reason keeps its error line, which a tail of its output lost."""
+    compiler = tmp_path / "failing-c++"
+    compiler.write_text("#!/bin/sh\n"
+                        "for i in $(seq 60); do echo 'api.h:166:1: warning: control reaches end' >&2; done\n"
+                        "echo \"dense_cpu.cc:129:22: error: cannot convert 'const float*'\" >&2\n"
+                        "for i in $(seq 60); do echo 'api.h:179:1: warning: control reaches end' >&2; done\n"
+                        "exit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("JAXKV_NATIVE_CACHE", str(tmp_path / "cache"))
+    native.unavailable_reason.cache_clear()
+    try:
+        reason = native.unavailable_reason()
+    finally:
+        monkeypatch.undo()
+        native.unavailable_reason.cache_clear()
+    assert reason.endswith("failed:\ndense_cpu.cc:129:22: error: cannot convert 'const float*'"), reason

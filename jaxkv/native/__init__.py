@@ -82,9 +82,18 @@ def _library_path() -> pathlib.Path:
             built = pathlib.Path(tmp) / path.name
             result = subprocess.run(_compile_command(built), capture_output=True, text=True)
             if result.returncode != 0:
-                raise NativeUnavailable(f"compiling {', '.join(s.name for s in SOURCES)} failed:\n{result.stderr[-2000:]}")
+                raise NativeUnavailable(f"compiling {', '.join(s.name for s in SOURCES)} failed:\n"
+                                        f"{_compiler_errors(result.stderr)}")
             os.replace(built, path)
     return path
+
+
+def _compiler_errors(stderr: str, limit: int = 2000) -> str:
+    """The compiler's error lines, at most ``limit`` characters (the last): its warnings about
+    jaxlib's FFI headers run to pages and would push the errors out of a tail. All of its
+    output when no line says error."""
+    errors = [line for line in stderr.splitlines() if "error" in line]
+    return ("\n".join(errors) if errors else stderr)[-limit:]
 
 
 def _register() -> None:

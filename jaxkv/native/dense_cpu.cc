@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -46,6 +47,36 @@ constexpr int64_t kChunk = 2048;
 // hardware prefetcher falls behind a stream read with arithmetic between the loads; a
 // software prefetch 8 KB ahead kept it up (docs/results/performance.md, seventh session).
 constexpr int64_t kValuesAheadBytes = 8192;
+
+// A bfloat16 cache's elements are widened 32 at a time as two vectors, the even elements and
+// the odd ones: a shift and a mask of one 64-byte load, where widening 16 in order takes a
+// widening move and a shift (Llama's shape at 256k keys with a bfloat16 cache: 50-56 -> 45-48 ms
+// a step, docs/results/performance.md, ninth session). Sums kept in that order are put back in
+// order once per block (scores) or per pass (value sums). float32 rows are read in order.
+template <typename Row>
+constexpr bool kWidenedInPairs = std::is_same_v<Row, bf16>;
+
+inline void widen_pair(const bf16* p, __m512& even, __m512& odd) {
+  const __m512i bits = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// 32 floats at p from (even, odd) halves to their order, in place; and back.
+inline void pair_to_order(float* p) {
+  const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  const __m512 even = _mm512_loadu_ps(p), odd = _mm512_loadu_ps(p + 16);
+  _mm512_storeu_ps(p, _mm512_permutex2var_ps(even, low, odd));
+  _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(even, high, odd));
+}
+inline void order_to_pair(const float* p, __m512& even, __m512& odd) {
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512 first = _mm512_loadu_ps(p), second = _mm512_loadu_ps(p + 16);
+  even = _mm512_permutex2var_ps(first, evens, second);
+  odd = _mm512_permutex2var_ps(first, odds, second);
+}
 
 // One KV head's running softmax over some of its keys, unnormalised: o [G, d], l [G], m [G].
 struct Partial {
@@ -94,10 +125,13 @@ void block_scores(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, flo
           prefetch_lines(next, next + std::min(kTile, h.visible - next_t));
         }
         __m512 k[4];
-        if (whole) {
-          for (int u = 0; u < 4; ++u) k[u] = load16(column + 16 * u);
-        } else {
+        if (!whole) {
           for (int u = 0; u < 4; ++u) k[u] = load16(column + 16 * u, part[u]);
+        } else if constexpr (kWidenedInPairs<Row>) {
+          widen_pair(column, k[0], k[1]);
+          widen_pair(column + 32, k[2], k[3]);
+        } else {
+          for (int u = 0; u < 4; ++u) k[u] = load16(column + 16 * u);
         }
         for (int g = 0; g < kQ; ++g) {
           const __m512 qi = _mm512_set1_ps(q[g * h.d + i]);
@@ -108,6 +142,10 @@ void block_scores(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, flo
         for (int u = 0; u < 4; ++u) _mm512_store_ps(score + g * kBlock + j0 + 16 * u, sum[g][u]);
     }
   }
+  if constexpr (kWidenedInPairs<Row>)  // whole tiles summed the even keys, then the odd ones
+    for (int g = 0; g < kQ; ++g)
+      for (int64_t j0 = 0; j0 + kTile <= count; j0 += kTile)
+        for (int64_t half = 0; half < kTile; half += 32) pair_to_order(score + g * kBlock + j0 + half);
   const __m512 scale = _mm512_set1_ps(h.scale), unseen = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int g = 0; g < kQ; ++g)
     for (int64_t j = 0; j < count; j += 16) {
@@ -127,12 +165,24 @@ template <int kN, int kV, typename Row>
 void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, const float* weight, Partial& out,
                     bool fetch_ahead) {
   const int64_t rows_ahead = std::max<int64_t>(1, kValuesAheadBytes / (h.d * static_cast<int64_t>(sizeof(Row))));
+  static_assert(kV % 2 == 0);
   for (int64_t i0 = 0; i0 < h.d; i0 += 16 * kV) {
     __mmask16 part[kV];
     for (int u = 0; u < kV; ++u) part[u] = lanes_in_use(h.d - i0 - 16 * u);
+    // A slice of whole vectors of a bfloat16 row is widened in pairs, its sums in pair order.
+    const bool pairs = kWidenedInPairs<Row> && i0 + 16 * kV <= h.d;
     __m512 sum[kN][kV];
-    for (int g = 0; g < kN; ++g)
-      for (int u = 0; u < kV; ++u) sum[g][u] = _mm512_maskz_loadu_ps(part[u], out.o.data() + (g0 + g) * h.d + i0 + 16 * u);
+    for (int g = 0; g < kN; ++g) {
+      const float* o = out.o.data() + (g0 + g) * h.d + i0;
+      for (int u = 0; u < kV; u += 2) {
+        if (pairs) {
+          order_to_pair(o + 16 * u, sum[g][u], sum[g][u + 1]);
+        } else {
+          sum[g][u] = _mm512_maskz_loadu_ps(part[u], o + 16 * u);
+          sum[g][u + 1] = _mm512_maskz_loadu_ps(part[u + 1], o + 16 * u + 16);
+        }
+      }
+    }
     for (int64_t j = 0; j < count; ++j) {
       const Row* v = h.values + (t0 + j) * h.d + i0;
       if (fetch_ahead && i0 == 0 && t0 + j + rows_ahead < h.visible) {
@@ -140,14 +190,23 @@ void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, c
         prefetch_lines(later, later + h.d);
       }
       __m512 row[kV];
-      for (int u = 0; u < kV; ++u) row[u] = load16(v + 16 * u, part[u]);
+      if (pairs) {
+        if constexpr (kWidenedInPairs<Row>)
+          for (int u = 0; u < kV; u += 2) widen_pair(v + 16 * u, row[u], row[u + 1]);
+      } else {
+        for (int u = 0; u < kV; ++u) row[u] = load16(v + 16 * u, part[u]);
+      }
       for (int g = 0; g < kN; ++g) {
         const __m512 p = _mm512_set1_ps(weight[g * kBlock + j]);
         for (int u = 0; u < kV; ++u) sum[g][u] = _mm512_fmadd_ps(p, row[u], sum[g][u]);
       }
     }
-    for (int g = 0; g < kN; ++g)
-      for (int u = 0; u < kV; ++u) _mm512_mask_storeu_ps(out.o.data() + (g0 + g) * h.d + i0 + 16 * u, part[u], sum[g][u]);
+    for (int g = 0; g < kN; ++g) {
+      float* o = out.o.data() + (g0 + g) * h.d + i0;
+      for (int u = 0; u < kV; ++u) _mm512_mask_storeu_ps(o + 16 * u, part[u], sum[g][u]);
+      if (pairs)
+        for (int u = 0; u < kV; u += 2) pair_to_order(o + 16 * u);
+    }
   }
 }
 
