@@ -397,8 +397,9 @@ def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entrie
 
 def memory_needed(shape: Shape, n: int, names) -> int:
     kv = 2 * n * shape.kv_heads * shape.head_dim * 4
-    index = max(method.index_bytes_per_key(cfg) if method is magicpig else method.index_bytes_per_key(cfg, shape.head_dim)
-                for _, method, cfg, _ in (METHODS[name] for name in names if name in METHODS)) * n * shape.kv_heads
+    sparse = [METHODS[name] for name in names if name in METHODS]  # none for a run of dense alone
+    index = max((method.index_bytes_per_key(cfg) if method is magicpig else method.index_bytes_per_key(cfg, shape.head_dim)
+                 for _, method, cfg, _ in sparse), default=0) * n * shape.kv_heads
     return KV_COPIES * kv + INDEX_COPIES * index + PROCESS_BYTES
 
 
@@ -501,15 +502,15 @@ def markdown(rows: list[dict], skipped: list[str], bandwidth: dict, meta: dict) 
             f"{flush} | {ms(r['step_with_flush_s'])} | {r['ratio_to_dense']:.3f} | {to_native} | "
             f"{r['bytes_total'] / 1e6:.1f} | {r['achieved_Bps'] / 1e9:.2f} | "
             f"{r['x_floor']:.1f} | {r['index_B_per_token_head']:.0f} | {r['kv_bf16_B_per_token_head']} |")
-    lines += ["", "Stages (each jitted alone over the same state, separate calls: a call pays what the "
-              "loop pays once, so they are not parts of the step above; ms, median). A method that "
-              "attends in place (the native ones) has no gather or correction: its attend is all three.", "",
-              "| shape | N | method | select | (coarse: votes / top-C) | (rerank) | gather | correction | attend | "
-              "rows gathered/head | MagicPIG entries read/head |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "stages" not in r:
-            continue
+    staged = [r for r in rows if "stages" in r]  # the sparse methods' rows
+    if staged:
+        lines += ["", "Stages (each jitted alone over the same state, separate calls: a call pays what the "
+                  "loop pays once, so they are not parts of the step above; ms, median). A method that "
+                  "attends in place (the native ones) has no gather or correction: its attend is all three.", "",
+                  "| shape | N | method | select | (coarse: votes / top-C) | (rerank) | gather | correction | attend | "
+                  "rows gathered/head | MagicPIG entries read/head |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in staged:
         st = {k: v["median_s"] for k, v in r["stages"].items()}
         coarse = ms(st["coarse"]) if "coarse" in st else ""
         if "coarse.votes" in st:
