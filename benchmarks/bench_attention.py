@@ -395,11 +395,15 @@ def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entrie
     return total
 
 
+def sparse_methods(names) -> list[Method]:
+    """The sparse methods among the --methods names (none for a run of dense alone)."""
+    return [METHODS[name] for name in names if name in METHODS]
+
+
 def memory_needed(shape: Shape, n: int, names) -> int:
     kv = 2 * n * shape.kv_heads * shape.head_dim * 4
-    sparse = [METHODS[name] for name in names if name in METHODS]  # none for a run of dense alone
     index = max((method.index_bytes_per_key(cfg) if method is magicpig else method.index_bytes_per_key(cfg, shape.head_dim)
-                 for _, method, cfg, _ in sparse), default=0) * n * shape.kv_heads
+                 for _, method, cfg, _ in sparse_methods(names)), default=0) * n * shape.kv_heads
     return KV_COPIES * kv + INDEX_COPIES * index + PROCESS_BYTES
 
 
@@ -416,7 +420,7 @@ def memory_available() -> int:
 
 def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, names) -> list[dict]:
     """All methods at one (shape, N): dense first, then each sparse method; arrays freed between."""
-    sparse = [METHODS[name] for name in names if name in METHODS]
+    sparse = sparse_methods(names)
     dense_native = [DENSE_NATIVE[name] for name in names if name in DENSE_NATIVE]
     rng = np.random.default_rng(0)
     staging_k, staging_v = synthetic_keys.synthesise(stats, n)

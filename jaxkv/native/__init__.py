@@ -100,8 +100,9 @@ def _register() -> None:
     flags = _cpu_flags().split()
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
     if platform.machine() not in ("x86_64", "AMD64") or missing:
+        lacks = f"without {', '.join(missing)}" if missing else "not x86-64"
         raise NativeUnavailable(f"the CPU kernels need an x86-64 CPU with {', '.join(REQUIRED_CPU_FLAGS)}; "
-                                f"this one is {platform.machine()} without {', '.join(missing) or 'none of them'}")
+                                f"this one is {platform.machine()}, {lacks}")
     library = ctypes.cdll.LoadLibrary(str(_library_path()))
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")

@@ -62,14 +62,14 @@ inline void widen_pair(const bf16* p, __m512& even, __m512& odd) {
   odd = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// 32 floats at p from (even, odd) halves to their order, in place; and back.
-inline void pair_to_order(float* p) {
+// 32 floats as (even, odd) halves stored at p in their order; in place; and loaded back.
+inline void store_in_order(__m512 even, __m512 odd, float* p) {
   const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  const __m512 even = _mm512_loadu_ps(p), odd = _mm512_loadu_ps(p + 16);
   _mm512_storeu_ps(p, _mm512_permutex2var_ps(even, low, odd));
   _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(even, high, odd));
 }
+inline void pair_to_order(float* p) { store_in_order(_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16), p); }
 inline void order_to_pair(const float* p, __m512& even, __m512& odd) {
   const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
@@ -174,13 +174,10 @@ void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, c
     __m512 sum[kN][kV];
     for (int g = 0; g < kN; ++g) {
       const float* o = out.o.data() + (g0 + g) * h.d + i0;
-      for (int u = 0; u < kV; u += 2) {
-        if (pairs) {
-          order_to_pair(o + 16 * u, sum[g][u], sum[g][u + 1]);
-        } else {
-          sum[g][u] = _mm512_maskz_loadu_ps(part[u], o + 16 * u);
-          sum[g][u + 1] = _mm512_maskz_loadu_ps(part[u + 1], o + 16 * u + 16);
-        }
+      if (pairs) {
+        for (int u = 0; u < kV; u += 2) order_to_pair(o + 16 * u, sum[g][u], sum[g][u + 1]);
+      } else {
+        for (int u = 0; u < kV; ++u) sum[g][u] = _mm512_maskz_loadu_ps(part[u], o + 16 * u);
       }
     }
     for (int64_t j = 0; j < count; ++j) {
@@ -203,9 +200,11 @@ void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, c
     }
     for (int g = 0; g < kN; ++g) {
       float* o = out.o.data() + (g0 + g) * h.d + i0;
-      for (int u = 0; u < kV; ++u) _mm512_mask_storeu_ps(o + 16 * u, part[u], sum[g][u]);
-      if (pairs)
-        for (int u = 0; u < kV; u += 2) pair_to_order(o + 16 * u);
+      if (pairs) {
+        for (int u = 0; u < kV; u += 2) store_in_order(sum[g][u], sum[g][u + 1], o + 16 * u);
+      } else {
+        for (int u = 0; u < kV; ++u) _mm512_mask_storeu_ps(o + 16 * u, part[u], sum[g][u]);
+      }
     }
   }
 }
