@@ -222,7 +222,7 @@ def _regions(staging_k, staging_v, lengths, *, method, mcfg, ccfg, capacity):
 def magicpig_index(cfg, retr_k, n: int):
     """Index of one layer, [1, H] leading axes, built one KV head at a time (μ over all n keys)."""
     def head_keys(h):
-        return kvcache.row_values(jax.device_put(retr_k[0, h], kvcache.DEVICE))
+        return models.row_values(jax.device_put(retr_k[0, h], kvcache.DEVICE))
 
     heads = [jax.block_until_ready(magicpig.build(cfg, head_keys(h), n)) for h in range(retr_k.shape[1])]
     return jax.tree.map(lambda *x: jnp.stack(x)[None], *heads)

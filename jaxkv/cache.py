@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 import models
 from jaxkv import native
+from models import row_values, rows_to_store, stored_rows
 from jaxkv.attention import common, dense
 from pallas_kernels import dispatch
 
@@ -114,11 +115,12 @@ class CacheConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RegionKV:
+    # K and V rows of every region: bfloat16 ones as their bits (models.stored_rows)
     sink_k: jax.Array  # [B, Hkv, S, hd] device
     sink_v: jax.Array
     win_k: jax.Array  # [B, Hkv, W + U, hd] device, a ring: position order from slot win_start
     win_v: jax.Array
-    retr_k: jax.Array  # [B, Hkv, cap, hd] host (or device without offload); bfloat16 as bits, see stored_rows
+    retr_k: jax.Array  # [B, Hkv, cap, hd] host (or device without offload)
     retr_v: jax.Array
     index: Any  # the method's index, leaves with leading [B, Hkv]
     sink_len: jax.Array  # [B] int32
@@ -137,28 +139,10 @@ def _device(x, ccfg):
     return jax.device_put(x, DEVICE) if ccfg.offload else x
 
 
-# XLA CPU (jax 0.10.2) converts a whole bfloat16 buffer to float32 and back for any write
-# into it: 64 rows into a 3 × 256k × 64 region took 69 ms, against 0.04 ms for float32.
-# So the retrieval region of a bfloat16 cache holds its rows' bits as uint16, which a flush
-# writes as integers; readers take the rows back as bfloat16 (the CPU kernels read the bits
-# in place, jaxkv.native.ROW_DTYPES). A bitcast of the whole region is no way round it:
-# XLA CPU copies the region for that too.
-ROW_BITS = jnp.uint16
-
-
-def stored_rows(x):
-    """Rows as a retrieval region stores them: bfloat16 as its bits (``ROW_BITS``), others as they are."""
-    return jax.lax.bitcast_convert_type(x, ROW_BITS) if x.dtype == jnp.bfloat16 else x
-
-
-def row_values(x):
-    """The rows a retrieval region's store x holds (the inverse of :func:`stored_rows`)."""
-    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == ROW_BITS else x
-
-
-def row_dtype(store) -> jnp.dtype:
-    """The dtype of the rows a retrieval region's store holds."""
-    return jnp.dtype(jnp.bfloat16) if store.dtype == ROW_BITS else store.dtype
+# Every region of a bfloat16 cache holds its rows' bits, as models.KVCache does (see
+# models.stored_rows: XLA CPU widens and copies a whole bfloat16 buffer for any write into
+# it); readers take the rows back as bfloat16 (row_values), the CPU kernels read the bits in
+# place (jaxkv.native.ROW_DTYPES).
 
 
 def _flat_rows(b: int, h: int, cap: int, idx):
@@ -215,10 +199,11 @@ def place_index(index, method, mcfg, ccfg, *, host: bool):
 
 
 def scatter_rows(store, idx, rows, ccfg):
-    """Write rows [B, H, U, hd] at per-(b, h) row indices idx [B, H, U] of store (as :func:`stored_rows`)."""
+    """Write rows [B, H, U, hd] at per-(b, h) row indices idx [B, H, U] of store (as it holds them,
+    ``models.rows_to_store``)."""
     b, h, cap, hd = store.shape
     flat_idx = _host(_flat_rows(b, h, cap, idx), ccfg)
-    rows = stored_rows(rows.reshape(-1, hd).astype(row_dtype(store)))
+    rows = rows_to_store(rows.reshape(-1, hd), store)
     flat = store.reshape(b * h * cap, hd).at[flat_idx].set(_host(rows, ccfg), mode="promise_in_bounds")
     return flat.reshape(store.shape)
 
@@ -248,7 +233,8 @@ def _over_batch_heads_for_insert(method, mcfg):
 
 def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: CacheConfig,
                          capacity: int, key=None) -> RegionKV:
-    """Split one layer's prefilled K and V (both head-major [B, Hkv, T, hd]) into the four regions.
+    """Split one layer's prefilled K and V (both head-major [B, Hkv, T, hd], rows or a cache's
+    bits) into the four regions, each holding bfloat16 rows as bits (``models.stored_rows``).
 
     ``key`` is handed to the method's ``build``. generate() passes None: MagicPIG then
     hashes every layer and head with its one seeded projection, as the official code does.
@@ -256,8 +242,8 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     s, w, u = ccfg.sink, ccfg.local, ccfg.buffer
     b, h, t, hd = staging_k.shape
     pad = max(0, s + capacity + w + u - t)
-    k = jnp.pad(staging_k, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    v = jnp.pad(staging_v, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    k = jnp.pad(stored_rows(staging_k), ((0, 0), (0, 0), (0, pad), (0, 0)))
+    v = jnp.pad(stored_rows(staging_v), ((0, 0), (0, 0), (0, pad), (0, 0)))
     sink_len = jnp.minimum(lengths, s)
     win_len = jnp.minimum(w, jnp.maximum(lengths - s, 0))
     retr_len = lengths - sink_len - win_len
@@ -271,11 +257,12 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     retr_k = k[:, :, s:s + capacity]
     retr_v = v[:, :, s:s + capacity]
     n = jnp.broadcast_to(retr_len[:, None], (b, h))
-    index = over_batch_heads(lambda kk, vv, nn: common.build_index(method, mcfg, kk, vv, nn, key))(retr_k, retr_v, n)
+    index = over_batch_heads(lambda kk, vv, nn: common.build_index(method, mcfg, kk, vv, nn, key))(
+        row_values(retr_k), row_values(retr_v), n)
     index = place_index(index, method, mcfg, ccfg, host=True)
     return RegionKV(
         sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
-        retr_k=_host(stored_rows(retr_k), ccfg), retr_v=_host(stored_rows(retr_v), ccfg), index=index,
+        retr_k=_host(retr_k, ccfg), retr_v=_host(retr_v, ccfg), index=index,
         sink_len=sink_len, win_start=jnp.zeros_like(win_len), win_len=win_len, retr_len=retr_len,
         keys_read=jnp.zeros((b,), jnp.float32), keys_seen=jnp.zeros((b,), jnp.float32))
 
@@ -302,7 +289,7 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
     full = state.win_len == w + u
     b, h = state.win_k.shape[:2]
     oldest = _window_slots(state, jnp.zeros_like(state.win_start), u)
-    moved_k, moved_v = _window_rows(state.win_k, oldest), _window_rows(state.win_v, oldest)
+    moved_k, moved_v = row_values(_window_rows(state.win_k, oldest)), row_values(_window_rows(state.win_v, oldest))
     # Rows that are not full write their (unchanged) oldest window rows past their
     # retrieval length: those rows stay invalid because retr_len does not move.
     rows = state.retr_len[:, None, None] + jnp.arange(u)[None, None, :]
@@ -337,7 +324,7 @@ def _put_rows(buf, x, where, keep):
     would copy it every step.
     """
     rows = jnp.arange(buf.shape[0])
-    return buf.at[rows, :, where].set(jnp.where(keep[:, None, None], buf[rows, :, where], x.astype(buf.dtype)))
+    return buf.at[rows, :, where].set(jnp.where(keep[:, None, None], buf[rows, :, where], rows_to_store(x, buf)))
 
 
 def _write_sink(state: RegionKV, k, v, in_sink, positions, ccfg: CacheConfig) -> RegionKV:
@@ -361,7 +348,7 @@ def _write_window(state: RegionKV, k, v, in_sink) -> RegionKV:
     slot = _window_slots(state, state.win_len, 1)[:, 0]
     win_k, win_v = models.write_if(
         jnp.any(~in_sink),
-        lambda wk, wv: (wk.at[rows, :, slot].set(k.astype(wk.dtype)), wv.at[rows, :, slot].set(v.astype(wv.dtype))),
+        lambda wk, wv: (wk.at[rows, :, slot].set(rows_to_store(k, wk)), wv.at[rows, :, slot].set(rows_to_store(v, wv))),
         state.win_k, state.win_v)
     return dataclasses.replace(state, win_k=win_k, win_v=win_v, win_len=state.win_len + ~in_sink)
 
@@ -378,7 +365,8 @@ def append(state: RegionKV, k, v, positions, *, method, mcfg, ccfg: CacheConfig)
 
 
 def _region_partial(q, keys, values, length, start=None):
-    """Partial of q [B, Hkv, G, hd] over length[B] rows of keys, values [B, Hkv, S, hd].
+    """Partial of q [B, Hkv, G, hd] over length[B] rows of keys, values [B, Hkv, S, hd] (rows
+    or their stores).
 
     The rows are the first ones, or with start[B] those of a ring from slot start.
     """
@@ -386,7 +374,7 @@ def _region_partial(q, keys, values, length, start=None):
     if start is not None:
         slots = (slots - start[:, None]) % keys.shape[2]
     mask = jnp.broadcast_to((slots < length[:, None])[:, None], keys.shape[:3])
-    return over_batch_heads(common.partial_attention)(q, keys, values, mask)
+    return over_batch_heads(common.partial_attention)(q, row_values(keys), row_values(values), mask)
 
 
 def _window_partial_in_place(q, state: RegionKV) -> common.Partial:
@@ -425,7 +413,7 @@ def _exact_partial(q, state: RegionKV, *, method, mcfg):
 
 def _retrieval_dense(q, state: RegionKV, ccfg):
     """Exact partial over every retrieval row (the short-context fallback)."""
-    keys, values = row_values(_device(state.retr_k, ccfg)), row_values(_device(state.retr_v, ccfg))
+    keys, values = _device(state.retr_k, ccfg), _device(state.retr_v, ccfg)
     return _region_partial(q, keys, values, state.retr_len), state.retr_len.astype(jnp.float32)
 
 
@@ -565,10 +553,9 @@ def all_tokens(state: RegionKV):
     def on_device(store):
         return row_values(jax.device_put(store, DEVICE) if store.sharding.memory_kind != "device" else store)
 
-    retr_k, retr_v = on_device(state.retr_k), on_device(state.retr_v)
-
+    sink_k, sink_v, retr_k, retr_v = (on_device(x) for x in (state.sink_k, state.sink_v, state.retr_k, state.retr_v))
     in_order = _window_slots(state, jnp.zeros_like(state.win_start), state.win_k.shape[2])
-    win_k, win_v = _window_rows(state.win_k, in_order), _window_rows(state.win_v, in_order)
+    win_k, win_v = (row_values(_window_rows(x, in_order)) for x in (state.win_k, state.win_v))
 
     def one(sk, sv, rk, rv, wk, wv, sl, rl, wl):
         parts_k = jnp.concatenate([sk, rk, wk], axis=1)
@@ -580,7 +567,7 @@ def all_tokens(state: RegionKV):
         src = jnp.clip(src, 0, parts_k.shape[1] - 1)
         return parts_k[:, src], parts_v[:, src]
 
-    k, v = jax.vmap(one)(state.sink_k, state.sink_v, retr_k, retr_v, win_k, win_v,
+    k, v = jax.vmap(one)(sink_k, sink_v, retr_k, retr_v, win_k, win_v,
                          state.sink_len, state.retr_len, state.win_len)
     return k, v, state.sink_len + state.retr_len + state.win_len
 

@@ -7,6 +7,7 @@ Public entry points: :func:`load` (any source), :func:`load_hf`, :func:`load_ggu
 from models.checkpoint import restore, save
 from models.config import ModelConfig
 from models.decoder import (
+    ROW_BITS,
     KVCache,
     cached_attention,
     dense_causal_attention,
@@ -16,6 +17,10 @@ from models.decoder import (
     lm_head,
     prefix_causal_attention,
     rms_norm,
+    row_dtype,
+    row_values,
+    rows_to_store,
+    stored_rows,
     transpose_keys,
     write_if,
 )
@@ -27,8 +32,8 @@ from models.params import LayerParams, Params, activation_dtype, init_params, la
 from models.tokenizer import Tokenizer
 
 __all__ = [
-    "KVCache", "activation_dtype", "cached_attention", "LayerParams", "ModelConfig", "ModelError", "ModelNotFoundError", "Params", "Tokenizer",
+    "KVCache", "ROW_BITS", "activation_dtype", "cached_attention", "LayerParams", "ModelConfig", "ModelError", "ModelNotFoundError", "Params", "Tokenizer",
     "default_model_path", "dense_causal_attention", "forward", "forward_hidden", "init_cache", "init_params",
-    "lm_head", "load", "load_gguf", "load_hf", "param_shapes", "prefix_causal_attention", "restore", "rms_norm", "save",
+    "lm_head", "load", "load_gguf", "load_hf", "param_shapes", "prefix_causal_attention", "restore", "rms_norm", "row_dtype", "row_values", "rows_to_store", "save", "stored_rows",
     "layers_are_split", "transpose_keys", "unstack_layers", "write_if",
 ]

@@ -44,6 +44,9 @@ class KVCache:
     q·Kᵀ read under half the bandwidth and a decode step took 1.5–1.9× as long
     (docs/results/performance.md, "2026-12-02, latest"). A position-major cache
     made XLA transpose K and V on every step.
+
+    A bfloat16 cache holds its rows' bits (:data:`ROW_BITS`, see :func:`stored_rows`);
+    ``dtype`` is the dtype of the rows it holds.
     """
 
     k: jax.Array
@@ -53,6 +56,43 @@ class KVCache:
     def max_len(self) -> int:
         """Positions the cache holds."""
         return self.v.shape[-2]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of the keys and values the cache holds (bfloat16 for a store of bits)."""
+        return row_dtype(self.v)
+
+
+# XLA CPU (jax 0.10.2) widens a whole bfloat16 buffer to float32 and back for any write into
+# it, and copies it: 64 rows into a 3 × 256k × 64 region took 69 ms against 0.04 ms for
+# float32; a decode step of a dense layer at 64k positions (SmolLM2's shape, its row written,
+# then attended by the CPU kernel) 10.9 ms against 3.1 ms for float32. So a buffer a
+# decode step writes into (this cache, and jaxkv.cache's regions) holds a bfloat16 row's
+# bits as uint16, written as integers in place; readers take the rows back as bfloat16 (the
+# CPU kernels read the bits in place). A bitcast of a whole bfloat16 buffer to write through
+# is no way round it: XLA CPU copies the buffer for that too.
+ROW_BITS = jnp.uint16
+
+
+def stored_rows(x: jax.Array) -> jax.Array:
+    """Rows as a cache stores them: bfloat16 as its bits (:data:`ROW_BITS`), others as they are."""
+    return jax.lax.bitcast_convert_type(x, ROW_BITS) if x.dtype == jnp.bfloat16 else x
+
+
+def row_values(x: jax.Array) -> jax.Array:
+    """The rows a cache's store x holds (the inverse of :func:`stored_rows`)."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == ROW_BITS else x
+
+
+def row_dtype(store) -> jnp.dtype:
+    """The dtype of the rows a cache's store holds."""
+    return jnp.dtype(jnp.bfloat16) if store.dtype == ROW_BITS else jnp.dtype(store.dtype)
+
+
+def rows_to_store(x: jax.Array, store: jax.Array) -> jax.Array:
+    """Rows x as ``store`` holds them: of its rows' dtype, as bits where it holds bits."""
+    x = x.astype(row_dtype(store))
+    return stored_rows(x) if store.dtype == ROW_BITS else x
 
 
 # Every layer's cache, axis by axis: V head-major, K with its last two axes swapped.
@@ -66,9 +106,9 @@ def _cache_sizes(config: ModelConfig, batch: int, max_len) -> dict[str, int]:
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """An all-zero cache for ``batch`` sequences of up to ``max_len`` tokens, every layer."""
+    """An all-zero cache for ``batch`` sequences of up to ``max_len`` tokens of ``dtype``, every layer."""
     sizes = _cache_sizes(config, batch, max_len)
-    return KVCache(*(jnp.zeros(tuple(sizes[a] for a in axes), dtype) for axes in (_K_AXES, _V_AXES)))
+    return KVCache(*(stored_rows(jnp.zeros(tuple(sizes[a] for a in axes), dtype)) for axes in (_K_AXES, _V_AXES)))
 
 
 def transpose_keys(k: jax.Array) -> jax.Array:
@@ -312,7 +352,8 @@ def cached_attention(q, k, v, positions, cache: KVCache, layer=None, *, attend=N
     ``cache`` is one layer's (an :data:`AttentionFn`), or every layer's with
     ``layer`` the one to use (a :data:`StackedAttentionFn`). Only the new
     tokens are written; positions past max_len are dropped. ``attend(q, k_all,
-    v_all, q_positions)`` attends to one layer's cache: by default
+    v_all, q_positions)`` attends to one layer's rows (bfloat16 ones given back from their
+    bits, :func:`row_values`): by default
     :func:`prefix_causal_attention` (jaxkv passes a CPU kernel for decode steps).
     """
     rows = jnp.arange(q.shape[0])[:, None]
@@ -321,8 +362,8 @@ def cached_attention(q, k, v, positions, cache: KVCache, layer=None, *, attend=N
 
     def write(cache_k, cache_v):
         # Indexing [B,1] rows and [B,T] positions around the slices puts them first: [B, T, Hkv, hd].
-        return (cache_k.at[at_k].set(k.astype(cache_k.dtype), mode="drop"),
-                cache_v.at[at_v].set(v.astype(cache_v.dtype), mode="drop"))
+        return (cache_k.at[at_k].set(rows_to_store(k, cache_k), mode="drop"),
+                cache_v.at[at_v].set(rows_to_store(v, cache_v), mode="drop"))
     if layer is None:  # one layer's cache, e.g. a decode-loop carry: see write_if
         cache = KVCache(*write_if(jnp.any(positions < cache.max_len), write, cache.k, cache.v))
     else:
@@ -330,7 +371,7 @@ def cached_attention(q, k, v, positions, cache: KVCache, layer=None, *, attend=N
     layer_k, layer_v = (cache.k, cache.v) if layer is None else (
         jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False),
         jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False))
-    return (attend or prefix_causal_attention)(q, layer_k, layer_v, positions), cache
+    return (attend or prefix_causal_attention)(q, row_values(layer_k), row_values(layer_v), positions), cache
 
 
 def _layer(layer: LayerParams, config: ModelConfig, inv_freq, x, positions, state, attention):

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import models
 from jaxkv import cache as kvcache
 from jaxkv.attention import common, magicpig, topk
 
@@ -84,12 +85,12 @@ def test_retrieval_region_lives_in_pinned_host_memory():
         np.testing.assert_array_equal(np.asarray(k[b, :, :n]), full_k[b, :n].swapaxes(0, 1))
 
 
-def test_bfloat16_retrieval_rows_are_kept_as_bits_and_read_back_exactly():
-    """A bfloat16 cache's retrieval region holds its rows' bits (uint16) and gives back the
-    rows bit for bit, after prefill and the flushes of 9 appended tokens (U = 3)."""
+def test_bfloat16_rows_are_kept_as_bits_and_read_back_exactly():
+    """A bfloat16 cache's regions hold their rows' bits (uint16) and give back the rows bit
+    for bit, after prefill and the flushes of 9 appended tokens (U = 3)."""
     state, full_k, full_v, totals = _run([20, 13], steps=9, offload=True, dtype=jnp.bfloat16)
-    assert state.retr_k.dtype == state.retr_v.dtype == kvcache.ROW_BITS
-    assert state.win_k.dtype == jnp.bfloat16
+    for store in (state.sink_k, state.sink_v, state.win_k, state.win_v, state.retr_k, state.retr_v):
+        assert store.dtype == models.ROW_BITS
     assert np.all(np.asarray(state.retr_len) > 0)
     k, v, _ = kvcache.all_tokens(state)
     assert k.dtype == v.dtype == jnp.bfloat16
@@ -211,7 +212,7 @@ def test_bfloat16_flush_converts_no_retrieval_region():
     keys = jnp.asarray(np.random.default_rng(5).standard_normal((2, H, 30, HD)), jnp.bfloat16)
     state = jax.jit(functools.partial(kvcache.regions_from_prefill, method=magicpig, mcfg=mcfg, ccfg=ccfg,
                                       capacity=40, key=jax.random.key(0)))(keys, keys, jnp.asarray([30, 21]))
-    assert state.retr_k.dtype == kvcache.ROW_BITS
+    assert state.retr_k.dtype == models.ROW_BITS
     flush = jax.jit(functools.partial(kvcache.flush, method=magicpig, mcfg=mcfg, ccfg=ccfg), donate_argnums=0)
     hlo = flush.lower(state).compile().as_text()
     b, h, cap, hd = state.retr_k.shape

@@ -38,8 +38,12 @@ def _compiled_step_memory(cache):
     return step.lower(params, cache, tokens, positions).compile().memory_analysis()
 
 
-def test_dense_decode_step_does_not_copy_the_cache():
-    cache = models.init_cache(CONFIG, 2, 4096)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_decode_step_does_not_copy_the_cache(dtype):
+    """Nor widen it: XLA CPU widened a bfloat16 cache to float32 for each write into it
+    (models.stored_rows); the cache holds its bits instead."""
+    cache = models.init_cache(CONFIG, 2, 4096, dtype)
+    assert cache.dtype == dtype
     cache_bytes = cache.k.nbytes + cache.v.nbytes
     memory = _compiled_step_memory(cache)
     # The cache is donated and aliased to the output...
@@ -73,9 +77,10 @@ def test_stacked_and_per_layer_cached_attention_agree():
     assert changed.sum() == 4 and changed[0, 5] and changed[0, 6] and changed[1, 9] and changed[1, 10]
 
 
-def _decode_loop_hlo(config, prompt, new, method, method_config=None, cache_config=None):
-    """The compiled text of generate()'s real token loop for one prompt."""
-    params = models.init_params(config, jax.random.key(0))
+def _decode_loop_hlo(config, prompt, new, method, method_config=None, cache_config=None, dtype=jnp.float32):
+    """The compiled text of generate()'s real token loop for one prompt, weights (and so the
+    cache) of dtype."""
+    params = jax.tree.map(lambda x: x.astype(dtype), models.init_params(config, jax.random.key(0)))
     backend = kvcache.make_backend(config, method, method_config, cache_config, len(prompt), new)
     prefilled = jaxkv.prefill_prompts(params, config, [prompt], capacity=backend.staging_capacity)
     lengths = jnp.asarray([len(prompt)], jnp.int32)
@@ -90,6 +95,24 @@ def _arrays_of_shape(hlo, *shapes):
     """The right-hand sides of the HLO's instructions whose result has one of these shapes."""
     rhs = [line.split(" = ", 1)[-1] for line in hlo.splitlines() if " = " in line]
     return [r for r in rhs if r.startswith(shapes)]
+
+
+# HLO element type of a cache that holds rows of dtype (bfloat16 as bits: models.stored_rows).
+STORED = {jnp.float32: "f32", jnp.bfloat16: "u16"}
+
+
+def _written_in_place(hlo, dims: list[str], dtype) -> list[str]:
+    """The row writes into caches of these dims ("1,2,17,8") as the HLO makes them, after
+    checking that none copies such a cache and, for bfloat16 rows, that none is widened
+    (XLA CPU wrote a bfloat16 buffer as float32: a convert of it, the write, a convert back)."""
+    stored = _arrays_of_shape(hlo, *(f"{STORED[dtype]}[{d}]" for d in dims))
+    copies = [rhs for rhs in stored if " copy(" in rhs]
+    assert not copies, copies[:4]
+    if dtype == jnp.bfloat16:
+        widened = [rhs for rhs in _arrays_of_shape(hlo, *(f"{t}[{d}]" for d in dims for t in ("f32", "bf16")))
+                   if "dynamic-update-slice" in rhs]
+        assert not widened, widened[:4]
+    return [rhs for rhs in stored if "dynamic-update-slice" in rhs]
 
 
 @functools.cache
@@ -124,7 +147,8 @@ def test_decode_loop_copies_no_layer_weight_per_token(method):
     assert len(weight_arrays) >= 3 * 3
 
 
-def test_sparse_decode_loop_copies_no_sink_or_window():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sparse_decode_loop_copies_no_sink_or_window(dtype):
     """generate()'s token loop writes each layer's sink and window in place and copies neither.
 
     Written in line, the window's row write was fused with the reshape of the
@@ -137,13 +161,11 @@ def test_sparse_decode_loop_copies_no_sink_or_window():
     sink, local, buffer = 3, 11, 6  # 17 window slots: no other array of the model has this shape
     hlo = _decode_loop_hlo(config, [3 + i % 100 for i in range(60)], 12, "topk",
                            topk.TopKConfig(top_k=4, sink=sink, local=local, buffer=buffer),
-                           kvcache.CacheConfig(dense_threshold=0))
+                           kvcache.CacheConfig(dense_threshold=0), dtype)
     b, hkv, hd = 1, config.num_kv_heads, config.head_dim
-    region_arrays = _arrays_of_shape(hlo, *(f"f32[{b},{hkv},{n},{hd}]" for n in (sink, local + buffer)))
-    copies = [rhs for rhs in region_arrays if " copy(" in rhs]
-    assert not copies, copies[:4]
+    writes = _written_in_place(hlo, [f"{b},{hkv},{n},{hd}" for n in (sink, local + buffer)], dtype)
     # The regions are in the loop (the writes are there to see): the check can see them.
-    assert sum("dynamic-update-slice" in rhs for rhs in region_arrays) >= 2 * 3 * 2
+    assert len(writes) >= 2 * 3 * 2
 
 
 def test_magicpig_decode_loop_copies_bucket_starts_only_when_flushing():
@@ -163,8 +185,8 @@ def test_magicpig_decode_loop_copies_bucket_starts_only_when_flushing():
     assert sum(" fusion(" in rhs for rhs in starts_arrays) >= sparse_layers
 
 
-@pytest.mark.parametrize("method", ["dense", "magicpig"])
-def test_decode_loop_copies_no_dense_layer_cache(method):
+@pytest.mark.parametrize("method, dtype", [("dense", jnp.float32), ("dense", jnp.bfloat16), ("magicpig", jnp.float32)])
+def test_decode_loop_copies_no_dense_layer_cache(method, dtype):
     """generate()'s token loop attends each dense layer's K and V where they lie and copies neither.
 
     From a stacked [L, ...] cache XLA CPU copied each layer's K and V slice
@@ -175,17 +197,15 @@ def test_decode_loop_copies_no_dense_layer_cache(method):
     """
     if method == "dense":
         config = tiny_config(num_layers=3)
-        hlo = _decode_loop_hlo(config, [3 + i % 100 for i in range(80)], 12, "dense")
+        hlo = _decode_loop_hlo(config, [3 + i % 100 for i in range(80)], 12, "dense", dtype=dtype)
     else:
         config, _, hlo = _magicpig_loop_hlo()
     capacity = 512  # the staging cache, rounded up to whole prefill chunks
-    layer_shapes = tuple(f"f32[1,{config.num_kv_heads},{a},{b}]"
-                         for a, b in ((config.head_dim, capacity), (capacity, config.head_dim)))  # K, V
-    cache_arrays = _arrays_of_shape(hlo, *layer_shapes)
-    copies = [rhs for rhs in cache_arrays if " copy(" in rhs]
-    assert not copies, copies[:4]
-    for layer_shape in layer_shapes:
-        assert f"f32[{config.num_layers},{layer_shape[4:]}" not in hlo  # no stacked cache
+    layer_dims = [f"1,{config.num_kv_heads},{a},{b}"
+                  for a, b in ((config.head_dim, capacity), (capacity, config.head_dim))]  # K, V
+    writes = _written_in_place(hlo, layer_dims, dtype)
+    for dims in layer_dims:
+        assert f"{STORED[dtype]}[{config.num_layers},{dims}]" not in hlo  # no stacked cache
     # Each dense layer's K and V writes are there to see.
     dense_layers = config.num_layers if method == "dense" else 2
-    assert sum("dynamic-update-slice" in rhs for rhs in cache_arrays) >= 2 * dense_layers
+    assert len(writes) >= 2 * dense_layers

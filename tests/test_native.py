@@ -248,7 +248,7 @@ def test_native_attention_reads_bfloat16_rows_as_their_float32_values(d):
 
     got = both(keys, values)
     want = both(keys.astype(jnp.float32), values.astype(jnp.float32))
-    as_bits = both(kvcache.stored_rows(keys), kvcache.stored_rows(values))
+    as_bits = both(models.stored_rows(keys), models.stored_rows(values))
     for got_partial, want_partial, bits_partial in zip(got, want, as_bits):
         for got_x, want_x, bits_x in zip(got_partial, want_partial, bits_partial):
             np.testing.assert_array_equal(got_x, want_x)
@@ -262,7 +262,7 @@ def test_native_attention_refuses_other_row_types():
     q, idx, mask = _keys(45, (2, 64)), jnp.arange(8, dtype=jnp.int32), jnp.ones((2, 8), bool)
     rows = _keys(46, (16, 64))
     for keys, values in ((rows, rows.astype(jnp.bfloat16)), (rows.astype(jnp.float16), rows.astype(jnp.float16)),
-                         (rows.astype(jnp.bfloat16), kvcache.stored_rows(rows.astype(jnp.bfloat16)))):
+                         (rows.astype(jnp.bfloat16), models.stored_rows(rows.astype(jnp.bfloat16)))):
         with pytest.raises(Exception, match="both float32, bfloat16 or bfloat16 bits"):
             jax.block_until_ready(native.attend_rows(q, keys, values, idx, mask, masked_score=common.MASKED_SCORE))
 
@@ -298,7 +298,7 @@ def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer, method, mc
     params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     module = {"pariskv": pariskv, "magicpig": magicpig}[method]
     assert module.reads_rows_in_place(dataclasses.replace(mcfg, kernels="native"),
-                                      kvcache.stored_rows(jnp.zeros((1, 16), dtype)))
+                                      models.stored_rows(jnp.zeros((1, 16), dtype)))
     prompt = _prompts([30], seed=11)
     cache = CacheConfig(sink=2, local=4, buffer=3, dense_threshold=0)
     tokens = {}
@@ -345,6 +345,14 @@ def test_native_dense_decode_is_prefix_causal_attention(hkv, g, d, dtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=DENSE_RTOL * float(jnp.abs(want).max()))
 
 
+def test_native_dense_decode_of_a_bfloat16_cache_s_bits_is_that_of_its_rows():
+    """A bfloat16 models.KVCache holds its rows' bits (uint16): the kernel reads them as the rows."""
+    q, keys, values = _dense_layer(64, 2, 2, 3, 64, 700, jnp.bfloat16)
+    qg, visible = q.reshape(2, 2, 3, 64), jnp.asarray([700, 333])
+    from_bits = native.dense_decode(qg, models.stored_rows(keys), models.stored_rows(values), visible)
+    np.testing.assert_array_equal(from_bits, native.dense_decode(qg, keys, values, visible))
+
+
 def test_native_dense_decode_reads_no_key_past_the_position():
     """Keys and values past each row's position are NaN: the output is that of the cache cut at
     the position, so they were not read; a position past the cache sees all of it."""
@@ -372,7 +380,7 @@ def test_native_dense_decode_of_no_key_is_zero_and_vmaps():
 def test_native_dense_decode_refuses_other_layouts():
     q, keys, values = _dense_layer(63, 1, 2, 3, 64, 100, jnp.float32)
     qg = q.reshape(1, 2, 3, 64)
-    with pytest.raises(ValueError, match="must both be float32 or both bfloat16"):
+    with pytest.raises(ValueError, match=r"must both be float32, bfloat16 or uint16 \(bfloat16 bits\)"):
         native.dense_decode(qg, keys, values.astype(jnp.bfloat16), 5)
     with pytest.raises(ValueError, match=r"needs keys \[..., 2, 64, S\]"):
         native.dense_decode(qg, keys.swapaxes(-1, -2), values, 5)  # head-major keys

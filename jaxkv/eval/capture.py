@@ -67,8 +67,8 @@ def capture(params, config, tokens, n_queries: int = 64, chunk: int = 512) -> Ca
                                state, first_query=n - n_queries)
     kv, q_buf = state
     g = config.num_heads // config.num_kv_heads
-    keys = np.asarray(models.transpose_keys(kv.k[:, 0, :, :, :n]), np.float32)
-    values = np.asarray(kv.v[:, 0, :, :n], np.float32)
+    keys = np.asarray(models.row_values(models.transpose_keys(kv.k[:, 0, :, :, :n])), np.float32)
+    values = np.asarray(models.row_values(kv.v[:, 0, :, :n]), np.float32)
     queries = np.asarray(q_buf[:, 0], np.float32)  # [L, Q, Hq, hd]
     queries = queries.reshape(config.num_layers, n_queries, config.num_kv_heads, g, config.head_dim)
     return Captured(keys=keys, values=values, queries=queries.transpose(0, 2, 3, 1, 4),

@@ -283,13 +283,13 @@ def magicpig_attend(q: jax.Array, keys: jax.Array, values: jax.Array, mu: jax.Ar
 def dense_decode(q: jax.Array, keys: jax.Array, values: jax.Array, visible) -> jax.Array:
     """Softmax attention of q [..., H, G, d] (query head g of KV head h) over the first
     ``visible`` [...] keys of keys [..., H, d, S] and values [..., H, S, d] (one layer of a
-    ``models.KVCache``: both float32 or both bfloat16, read in place): float32 [..., H, G, d],
-    0 where no key is visible. Scores scaled by 1/sqrt(d), summed in float32; the keys past
-    ``visible`` are not read.
+    ``models.KVCache``: both float32, bfloat16 or bfloat16 bits as uint16, read in place):
+    float32 [..., H, G, d], 0 where no key is visible. Scores scaled by 1/sqrt(d), summed in
+    float32; the keys past ``visible`` are not read.
     """
-    if keys.dtype != values.dtype or keys.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"dense_decode: keys and values must both be float32 or both bfloat16, "
-                         f"got {keys.dtype} and {values.dtype}")
+    if keys.dtype != values.dtype or keys.dtype not in ROW_DTYPES:
+        raise ValueError(f"dense_decode: keys and values must both be float32, bfloat16 or uint16 "
+                         f"(bfloat16 bits), got {keys.dtype} and {values.dtype}")
     lead, (h, d, s) = q.shape[:-3], (q.shape[-3], q.shape[-1], keys.shape[-1])
     if keys.shape != (*lead, h, d, s) or values.shape != (*lead, h, s, d):
         raise ValueError(f"dense_decode: q {q.shape} needs keys [..., {h}, {d}, S] and values [..., {h}, S, {d}] "

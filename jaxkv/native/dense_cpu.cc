@@ -303,7 +303,7 @@ void attend_heads(ffi::ThreadPool& pool, const std::vector<Head<Row>>& work,
 }
 
 // q float32 [..., H, G, d]; keys [..., H, d, S] and values [..., H, S, d], both float32 or both
-// bfloat16; visible int32 [...]: the keys each batch entry attends (its query's position + 1).
+// bfloat16 (or its bits as uint16, as a models.KVCache stores it); visible int32 [...]: the keys each batch entry attends (its query's position + 1).
 // out float32 [..., H, G, d]: the softmax-weighted sum of the visible values, by 1/sqrt(d)-scaled
 // scores.
 ffi::Error dense_decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
@@ -312,8 +312,10 @@ ffi::Error dense_decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
   if (qd.size() < 3 || kd.size() != qd.size())
     return ffi::Error::InvalidArgument("dense_decode: q [..., H, G, d], keys [..., H, d, S]");
   const auto type = keys.element_type();
-  if (type != values.element_type() || (type != ffi::DataType::F32 && type != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("dense_decode: keys and values both float32 or both bfloat16");
+  if (type != values.element_type() ||
+      (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::U16))
+    return ffi::Error::InvalidArgument("dense_decode: keys and values both float32, bfloat16 or "
+                                       "bfloat16 bits (uint16)");
   const int64_t kv_heads = qd[qd.size() - 3], heads = qd[qd.size() - 2], d = qd.back(), capacity = kd.back();
   const int64_t entries = product(qd, 0, qd.size() - 3);
   if (kd[kd.size() - 3] != kv_heads || kd[kd.size() - 2] != d ||
