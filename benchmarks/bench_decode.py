@@ -2,7 +2,7 @@
 
     python benchmarks/bench_decode.py [--contexts 2048 4096 8000] [--new-tokens 32] [--rounds 3]
                                       [--out results/bench_decode.json] [--no-transformers] [--native]
-                                      [--weights f32 gguf]
+                                      [--weights f32 gguf bf16]
 
 For each context one prompt (real Wikipedia text) is prefilled once and shared
 by every method; each method decodes `new-tokens` tokens once to compile, then
@@ -16,8 +16,9 @@ the same run and the fraction of keys each method read.
 
 ``--weights``: every method runs with the weights dequantised to float32 (``f32``) and/or
 kept in the GGUF's Q4_1 / Q8_0 blocks (``gguf``, ``models.load(..., keep_quantized=True)``:
-a decode step reads 96 MB of weights instead of 538 MB), all in the same rounds; each
-row's ratio is to dense with the same weights.
+a decode step reads 96 MB of weights instead of 538 MB) and/or cast to bfloat16 (``bf16``: a
+bfloat16 model's, whose activations and KV cache are bfloat16 too; not run by default), all
+in the same rounds; each row's ratio is to dense with the same weights.
 
 The reference row is transformers (PyTorch, CPU, f32) on the same weights
 (dequantised from the same GGUF) and the same prompt: prefill, one warm-up
@@ -75,6 +76,19 @@ def transformers_decode(ids, new_tokens: int) -> dict:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
+def load_weights(kind: str):
+    """(config, params split per layer, tokenizer) of the default model: float32, the GGUF's
+    blocks, or bfloat16."""
+    import jax.numpy as jnp
+
+    import models
+
+    config, params, tokenizer = models.load(models.default_model_path(), keep_quantized=kind == "gguf")
+    if kind == "bf16":
+        params = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    return config, models.unstack_layers(params, config.num_layers), tokenizer
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8000])
@@ -84,14 +98,14 @@ def main(argv=None):
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers reference row")
     parser.add_argument("--native", action="store_true",
                         help="add rows for dense, MagicPIG and ParisKV with kernels='native' (jaxkv.native's CPU kernels)")
-    parser.add_argument("--weights", nargs="+", choices=("f32", "gguf"), default=["f32", "gguf"],
-                        help="weights dequantised to float32 and/or kept in the GGUF's blocks (both by default)")
+    parser.add_argument("--weights", nargs="+", choices=("f32", "gguf", "bf16"), default=["f32", "gguf"],
+                        help="weights dequantised to float32, kept in the GGUF's blocks (those two by default) "
+                             "and/or cast to bfloat16")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
 
     import jaxkv
-    import models
     from jaxkv.cache import CacheConfig
     from jaxkv.eval import text
 
@@ -100,8 +114,7 @@ def main(argv=None):
     # decode time (transformers' weights are per layer from loading on).
     weight_sets = {}
     for weights in dict.fromkeys(args.weights):
-        config, params, tokenizer = models.load(models.default_model_path(), keep_quantized=weights == "gguf")
-        weight_sets[weights] = models.unstack_layers(params, config.num_layers)
+        config, weight_sets[weights], tokenizer = load_weights(weights)
     rows = []
     for n in args.contexts:
         _, ids = text.long_text(tokenizer, n)
