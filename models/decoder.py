@@ -45,8 +45,9 @@ class KVCache:
     (docs/results/performance.md, "2026-12-02, latest"). A position-major cache
     made XLA transpose K and V on every step.
 
-    A bfloat16 cache holds its rows' bits (:data:`ROW_BITS`, see :func:`stored_rows`);
-    ``dtype`` is the dtype of the rows it holds.
+    A bfloat16 cache from :func:`init_cache` holds its rows' bits (:data:`ROW_BITS`, see
+    :func:`stored_rows`); ``dtype`` is the dtype of the rows it holds. A cache of bfloat16
+    arrays works too, but XLA CPU widens and copies it for every write.
     """
 
     k: jax.Array

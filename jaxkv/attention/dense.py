@@ -41,7 +41,9 @@ def native_decode_attention(q, k_all, v_all, q_positions):
         return models.prefix_causal_attention(q, k_all, v_all, q_positions)
     b, _, hq, hd = q.shape
     hkv = k_all.shape[1]
-    # A bfloat16 cache's bits, as it stores them: the kernel reads them in place.
+    # A bfloat16 cache's bits, as models.KVCache stores them: cached_attention's bitcast to
+    # rows and this one back fold away, and the kernel reads the cache in place (handed the
+    # bfloat16 rows, XLA CPU copied the whole layer into them first).
     out = native.dense_decode(q.reshape(b, hkv, hq // hkv, hd), models.stored_rows(k_all), models.stored_rows(v_all),
                               q_positions[:, 0] + 1)
     return out.reshape(b, 1, hq, hd).astype(q.dtype)

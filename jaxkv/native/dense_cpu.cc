@@ -303,7 +303,8 @@ void attend_heads(ffi::ThreadPool& pool, const std::vector<Head<Row>>& work,
 }
 
 // q float32 [..., H, G, d]; keys [..., H, d, S] and values [..., H, S, d], both float32 or both
-// bfloat16 (or its bits as uint16, as a models.KVCache stores it); visible int32 [...]: the keys each batch entry attends (its query's position + 1).
+// bfloat16 (or its bits as uint16, as a models.KVCache stores it); visible int32 [...]: the
+// keys each batch entry attends (its query's position + 1).
 // out float32 [..., H, G, d]: the softmax-weighted sum of the visible values, by 1/sqrt(d)-scaled
 // scores.
 ffi::Error dense_decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
