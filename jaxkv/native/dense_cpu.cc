@@ -35,6 +35,7 @@ using jaxkv_native::parallel_chunks;
 using jaxkv_native::prefetch_lines;
 using jaxkv_native::product;
 using jaxkv_native::rows_of;
+using jaxkv_native::rows_supported;
 
 constexpr int64_t kTile = 64;  // keys whose score sums are in registers at once: 4 vectors per query head
 constexpr int kMaxQueries = 4;  // query heads per pass: up to 16 score sums in registers
@@ -312,9 +313,7 @@ ffi::Error dense_decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
   const auto qd = q.dimensions(), kd = keys.dimensions();
   if (qd.size() < 3 || kd.size() != qd.size())
     return ffi::Error::InvalidArgument("dense_decode: q [..., H, G, d], keys [..., H, d, S]");
-  const auto type = keys.element_type();
-  if (type != values.element_type() ||
-      (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::U16))
+  if (!rows_supported(keys, values))
     return ffi::Error::InvalidArgument("dense_decode: keys and values both float32, bfloat16 or "
                                        "bfloat16 bits (uint16)");
   const int64_t kv_heads = qd[qd.size() - 3], heads = qd[qd.size() - 2], d = qd.back(), capacity = kd.back();
@@ -335,7 +334,7 @@ ffi::Error dense_decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
                  std::clamp<int64_t>(visible.typed_data()[e / kv_heads], 0, capacity), scale};
     attend_heads(pool, work, heads, d, capacity, out->typed_data());
   };
-  type == ffi::DataType::F32 ? run(float{}) : run(bf16{});
+  keys.element_type() == ffi::DataType::F32 ? run(float{}) : run(bf16{});
   return ffi::Error::Success();
 }
 

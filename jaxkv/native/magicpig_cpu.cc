@@ -44,6 +44,7 @@ using jaxkv_native::parallel_chunks;
 using jaxkv_native::parallel_for;
 using jaxkv_native::prefetch_lines;
 using jaxkv_native::rows_of;
+using jaxkv_native::rows_supported;
 using jaxkv_native::product;
 
 // The bucket of `code`, clamped to the table's n_buckets.
@@ -628,15 +629,6 @@ void attend_heads(ffi::ThreadPool& pool, const std::vector<AttendHead<Row>>& wor
       }
       m->typed_data()[b * heads + g] = top;
     }
-}
-
-// The rows' element type: keys and values float32, or both bfloat16, or both uint16 holding
-// bfloat16 bits (how jaxkv.cache stores a bfloat16 retrieval region, which XLA CPU would
-// otherwise convert whole at each write).
-bool rows_supported(const ffi::AnyBuffer& keys, const ffi::AnyBuffer& values) {
-  const auto type = keys.element_type();
-  return type == values.element_type() &&
-         (type == ffi::DataType::F32 || type == ffi::DataType::BF16 || type == ffi::DataType::U16);
 }
 
 template <typename Row>

@@ -61,6 +61,15 @@ inline __m512 load16(const bf16* p, __mmask16 lanes) { return widen(_mm256_maskz
 template <typename Row>
 const Row* rows_of(const ffi::AnyBuffer& buffer) { return static_cast<const Row*>(buffer.untyped_data()); }
 
+// Whether keys and values are rows the kernels read: both float32, both bfloat16, or both
+// uint16 holding bfloat16 bits (how models.KVCache and jaxkv.cache store a bfloat16 cache,
+// which XLA CPU would otherwise widen whole at each write).
+inline bool rows_supported(const ffi::AnyBuffer& keys, const ffi::AnyBuffer& values) {
+  const auto type = keys.element_type();
+  return type == values.element_type() &&
+         (type == ffi::DataType::F32 || type == ffi::DataType::BF16 || type == ffi::DataType::U16);
+}
+
 // exp(x) per lane, 0 where x <= -87 (past float32's normal range; -inf for a key not
 // attended). Those lanes get input 0: libmvec takes a slow scalar path for any lane whose
 // input is -inf or far below -87 (MagicPIG's kernel at 256k: 4.9-5.0 ms with them in,
