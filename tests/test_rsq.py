@@ -197,6 +197,31 @@ def test_bytes_per_key_is_under_15_percent_of_bf16_kv():
     assert 74 / (2 * 2 * 128) < 0.15
 
 
+@pytest.mark.parametrize("p", [16, 64, 128])
+def test_record_holds_magnitudes_weights_and_scale_bytes_in_that_order(p):
+    # The CPU rerank reads a record at fixed offsets: planes at 0, weight codes at 3P/8, the
+    # scale's little-endian bfloat16 in the last two bytes.
+    rng = np.random.default_rng(p)
+    b = p // 8
+    signs = rng.integers(0, 256, (7, b), np.uint8)
+    magnitudes = rng.integers(0, 256, (7, 3, p // 8), np.uint8)
+    weight_codes = rng.integers(0, 256, (7, -(-b // 2)), np.uint8)
+    scale = np.array([0.0, 1.5, 3e-39, 6e4, 0.0371, 1e-3, 2.0 ** -130], jnp.bfloat16)  # subnormals too
+    codes = rsq.pack_codes(jnp.asarray(signs), jnp.asarray(magnitudes), jnp.asarray(scale), jnp.asarray(weight_codes))
+    record = np.asarray(codes.record)
+    assert record.shape == (7, rsq.bytes_per_key(p, 8) - b)
+    np.testing.assert_array_equal(record[:, :3 * p // 8], magnitudes.reshape(7, -1))
+    np.testing.assert_array_equal(record[:, 3 * p // 8:-2], weight_codes)
+    np.testing.assert_array_equal(record[:, -2:], scale.view(np.uint8).reshape(7, 2))
+    # The parts read back exactly, also from gathered rows.
+    rows = jnp.asarray([4, 0, 6])
+    taken = jax.tree.map(lambda x: x[rows], codes)
+    np.testing.assert_array_equal(taken.magnitudes, magnitudes[[4, 0, 6]])
+    np.testing.assert_array_equal(taken.weight_codes, weight_codes[[4, 0, 6]])
+    np.testing.assert_array_equal(np.asarray(taken.scale).view(np.uint16), scale[[4, 0, 6]].view(np.uint16))
+    np.testing.assert_array_equal(taken.signs, signs[[4, 0, 6]])
+
+
 @pytest.mark.parametrize("official", [False, True])
 def test_estimate_is_calibrated_and_highly_correlated_at_m8(official):
     m, p, n = 8, 128, 20_000

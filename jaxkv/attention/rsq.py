@@ -18,7 +18,8 @@ Storage (:class:`RSQCodes`, 38 B per key at d = 64, 74 B at d = 128: under 15 %
 of the bf16 K+V). The sign bits are stored once, one byte per subspace — the
 very byte that is ParisKV's bucket id, so the coarse stage reads it directly;
 the 3-bit magnitudes as three bit planes; the B weights as one bfloat16 scale
-(‖k‖·max_b(r_b/α_b)/15) times a 4-bit multiple per subspace. Quantising the
+(‖k‖·max_b(r_b/α_b)/15) times a 4-bit multiple per subspace; these three in one
+record per key, all the rerank reads of a candidate beside its signs. Quantising the
 weights moved ParisKV's Recall@100 on SmolLM2 from 60.3 to 60.1 % (output error
 0.0504 → 0.0505; docs/results/recall.md).
 """
@@ -89,25 +90,63 @@ def magnitude_levels(m: int, official: bool) -> tuple[np.ndarray, np.ndarray]:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RSQCodes:
-    """The codes of keys [...] (P = B·m padded coordinates)."""
+    """The codes of keys [...] (P = B·m padded coordinates).
 
-    signs: jax.Array         # uint8 [..., B]: bit j ⇔ coordinate b·m + j ≥ 0 (ParisKV's bucket id)
-    magnitudes: jax.Array    # uint8 [..., 3, P/8]: bit plane i, bit t of byte c = bit i of coordinate 8c + t's cell
-    scale: jax.Array         # bfloat16 [...]: ‖k‖·max_b(r_b/α_b)/15
-    weight_codes: jax.Array  # uint8 [..., ⌈B/2⌉]: 4-bit multiples of scale, low nibble = even subspace
+    Two arrays: the sign bytes, which the coarse stage scans for every key, and one
+    record per key of everything the rerank reads for a candidate (its magnitude planes,
+    weight codes and scale). Kept apart, those were three rows in three arrays, each
+    candidate touching a cache line in each: at 1M keys a record per key takes a third
+    fewer lines (docs/results/performance.md, eleventh session).
+    """
+
+    signs: jax.Array   # uint8 [..., B]: bit j ⇔ coordinate b·m + j ≥ 0 (ParisKV's bucket id)
+    record: jax.Array  # uint8 [..., 3P/8 + ⌈B/2⌉ + 2]: magnitudes | weight_codes | scale's two bytes
+
+    @property
+    def _plane_bytes(self) -> int:  # P/8
+        return (self.record.shape[-1] - SCALE_BYTES - _weight_bytes(self.signs.shape[-1])) // MAGNITUDE_BITS
+
+    @property
+    def magnitudes(self) -> jax.Array:
+        """uint8 [..., 3, P/8]: bit plane i, bit t of byte c = bit i of coordinate 8c + t's cell."""
+        planes = self.record[..., :MAGNITUDE_BITS * self._plane_bytes]
+        return planes.reshape(*planes.shape[:-1], MAGNITUDE_BITS, self._plane_bytes)
+
+    @property
+    def weight_codes(self) -> jax.Array:
+        """uint8 [..., ⌈B/2⌉]: 4-bit multiples of scale, low nibble = even subspace."""
+        start = MAGNITUDE_BITS * self._plane_bytes
+        return self.record[..., start:start + _weight_bytes(self.signs.shape[-1])]
+
+    @property
+    def scale(self) -> jax.Array:
+        """bfloat16 [...]: ‖k‖·max_b(r_b/α_b)/15."""
+        return jax.lax.bitcast_convert_type(self.record[..., -SCALE_BYTES:], jnp.bfloat16)
+
+
+SCALE_BYTES = 2  # a bfloat16, little-endian in the record (as every backend stores it)
+
+
+def _weight_bytes(n_subspaces: int) -> int:
+    return -(-n_subspaces // 2)
+
+
+def pack_codes(signs: jax.Array, magnitudes: jax.Array, scale: jax.Array, weight_codes: jax.Array) -> RSQCodes:
+    """RSQCodes of the parts: signs [..., B], magnitudes [..., 3, P/8], scale bfloat16 [...], weight_codes [..., ⌈B/2⌉]."""
+    planes = magnitudes.reshape(*magnitudes.shape[:-2], -1)
+    scale_bytes = jax.lax.bitcast_convert_type(scale.astype(jnp.bfloat16), jnp.uint8)
+    return RSQCodes(signs=signs, record=jnp.concatenate([planes, weight_codes, scale_bytes], axis=-1))
 
 
 def empty_codes(capacity: int, p: int, m: int) -> RSQCodes:
     b = p // m
     return RSQCodes(signs=jnp.zeros((capacity, b), jnp.uint8),
-                    magnitudes=jnp.zeros((capacity, MAGNITUDE_BITS, p // 8), jnp.uint8),
-                    scale=jnp.zeros((capacity,), jnp.bfloat16),
-                    weight_codes=jnp.zeros((capacity, -(-b // 2)), jnp.uint8))
+                    record=jnp.zeros((capacity, bytes_per_key(p, m) - b), jnp.uint8))
 
 
 def bytes_per_key(p: int, m: int) -> int:
     b = p // m
-    return b + MAGNITUDE_BITS * p // 8 + 2 + -(-b // 2)
+    return b + MAGNITUDE_BITS * p // 8 + _weight_bytes(b) + SCALE_BYTES
 
 
 def sign_bytes(y: jax.Array, m: int) -> jax.Array:
@@ -183,7 +222,7 @@ def encode(y: jax.Array, key_norm: jax.Array, m: int, thresholds, centres) -> RS
     # An all-zero subspace carries no inner product: weight 0 (and no 0/0).
     weight = jnp.where(r > 0, key_norm[..., None] * r / jnp.where(r > 0, alpha, 1.0), 0.0)
     scale, weight_codes = _quantise_weights(weight)
-    return RSQCodes(signs=signs, magnitudes=magnitudes, scale=scale, weight_codes=weight_codes)
+    return pack_codes(signs, magnitudes, scale, weight_codes)
 
 
 def reconstruct(codes: RSQCodes, m: int, centres) -> jax.Array:

@@ -162,7 +162,7 @@ def rerank(codes, q_rot: jax.Array, q_norm, centres, rows: jax.Array) -> jax.Arr
     call = jax.ffi.ffi_call("jaxkv_pariskv_rerank", jax.ShapeDtypeStruct(rows.shape, jnp.float32),
                             vmap_method="broadcast_all")
     batch = codes.signs.shape[:-2]
-    return call(codes.signs, codes.magnitudes, codes.scale, codes.weight_codes, q_rot.astype(jnp.float32),
+    return call(codes.signs, codes.record, q_rot.astype(jnp.float32),
                 jnp.broadcast_to(jnp.asarray(q_norm, jnp.float32), batch),
                 jnp.broadcast_to(jnp.asarray(centres, jnp.float32), (*batch, 8)), rows.astype(jnp.int32))
 

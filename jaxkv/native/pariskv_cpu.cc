@@ -44,6 +44,7 @@ using jaxkv_native::product;
 constexpr int kPatterns = 256;    // m = 8: a bucket id is one byte
 constexpr int kMagnitudeBits = 3;  // rsq.MAGNITUDE_BITS
 constexpr int kMaxVote = 255;      // votes + 1 are kept in a byte
+constexpr int64_t kScaleBytes = 2;  // rsq.SCALE_BYTES: a record ends in its scale's bfloat16
 
 // ---------------------------------------------------------------- coarse stage
 
@@ -441,10 +442,9 @@ float estimate_row(const RerankQuery& rq, const __m512i (&permute)[2], const uin
   return _mm512_reduce_add_ps(total);
 }
 
-ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::U8> magnitudes,
-                  ffi::Buffer<ffi::BF16> scale,
-                  ffi::Buffer<ffi::U8> weight_codes, ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::F32> q_norm,
-                  ffi::Buffer<ffi::F32> centres, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::U8> records,
+                  ffi::Buffer<ffi::F32> q_rot, ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> centres,
+                  ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out) {
   const auto sd = signs.dimensions(), qd = q_rot.dimensions(), rd = rows.dimensions();
   if (sd.size() < 2 || qd.size() != sd.size() - 1 || rd.size() != sd.size() - 1)
     return ffi::Error::InvalidArgument("pariskv_rerank: signs [..., cap, B], q_rot [..., P], rows [..., C]");
@@ -452,10 +452,10 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
   const int64_t batch = product(sd, 0, sd.size() - 2), weight_bytes = (n_sub + 1) / 2;
   if (p != 8 * n_sub || (p != 16 && p != 32 && p != 64 && p != 128))
     return ffi::Error::InvalidArgument("pariskv_rerank: needs m = 8 and P in {16, 32, 64, 128}");
-  if (magnitudes.element_count() != batch * cap * kMagnitudeBits * (p / 8) || scale.element_count() != batch * cap ||
-      weight_codes.element_count() != batch * cap * weight_bytes || q_norm.element_count() != batch ||
+  const int64_t record_bytes = kMagnitudeBits * (p / 8) + weight_bytes + kScaleBytes;
+  if (records.element_count() != batch * cap * record_bytes || q_norm.element_count() != batch ||
       centres.element_count() != batch * 8 || rows.element_count() != batch * count)
-    return ffi::Error::InvalidArgument("pariskv_rerank: code arrays do not match signs [..., cap, B]");
+    return ffi::Error::InvalidArgument("pariskv_rerank: records [..., cap, 3P/8 + B/2 + 2] must match signs [..., cap, B]");
   std::vector<RerankQuery> queries(batch);
   for (int64_t h = 0; h < batch; ++h) {
     RerankQuery& rq = queries[h];
@@ -474,38 +474,40 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
   // Items of kRerankRows candidates of one head, split over the threads.
   constexpr int64_t kRerankRows = 512;
   const auto rerank_rows = [&](auto chunks) {
-    constexpr int64_t kChunks = decltype(chunks)::value, kRowBytes = kMagnitudeBits * 2 * kChunks;
+    // A record: the magnitude planes, the B/2 = kChunks weight bytes, the scale.
+    constexpr int64_t kChunks = decltype(chunks)::value, kWeightsAt = kMagnitudeBits * 2 * kChunks,
+                      kScaleAt = kWeightsAt + kChunks, kRecordBytes = kScaleAt + kScaleBytes;
     const __m512i permute[2] = {RowLayout<kChunks>::permute(0), RowLayout<kChunks>::permute(1)};
     parallel_chunks(pool, batch, count, kRerankRows, [&](int64_t h, int64_t begin, int64_t end) {
       const uint8_t* s = signs.typed_data() + h * cap * n_sub;
-      const uint8_t* mag = magnitudes.typed_data() + h * cap * kRowBytes;
-      const uint16_t* sc = scale.typed_data() + h * cap;
-      const uint8_t* wc = weight_codes.typed_data() + h * cap * weight_bytes;
+      const uint8_t* rec = records.typed_data() + h * cap * kRecordBytes;
       const int32_t* row = rows.typed_data() + h * count;
       float* est = out->typed_data() + h * count;
       const float norm = q_norm.typed_data()[h];
-      // The rows are scattered over the index, in ascending order. A magnitude row (3P/8
-      // bytes) is the one the hardware prefetcher misses: its sign row and both its ends
-      // are fetched into L2 kFar rows ahead and into L1 kNear rows ahead (at 1M keys the
-      // rerank alone 4.2 -> 3.5 ms against kNear alone). Prefetching the scale and weight
-      // rows as well (2 and B/2 bytes, dense enough to stream) gained nothing, or lost.
+      // The rows are scattered over the index, in ascending order, too sparse for the
+      // hardware prefetcher: a row's signs and both ends of its record are fetched into L2
+      // kFar rows ahead and into L1 kNear rows ahead (at 1M keys the rerank alone
+      // 4.2 -> 3.5 ms against kNear alone, when the record was only the magnitudes).
       constexpr int64_t kNear = 16, kFar = 48;
       const auto row_at = [&](int64_t i) { return std::clamp<int64_t>(row[i], 0, cap - 1); };
       for (int64_t i = begin; i < end; ++i) {
         if (i + kFar < end) {
           const int64_t ahead = row_at(i + kFar);
           _mm_prefetch(reinterpret_cast<const char*>(s + ahead * n_sub), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(mag + ahead * kRowBytes), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(mag + (ahead + 1) * kRowBytes - 1), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(rec + ahead * kRecordBytes), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(rec + (ahead + 1) * kRecordBytes - 1), _MM_HINT_T1);
         }
         if (i + kNear < end) {
           const int64_t ahead = row_at(i + kNear);
           _mm_prefetch(reinterpret_cast<const char*>(s + ahead * n_sub), _MM_HINT_T0);
-          prefetch_lines(mag + ahead * kRowBytes, mag + (ahead + 1) * kRowBytes);
+          prefetch_lines(rec + ahead * kRecordBytes, rec + (ahead + 1) * kRecordBytes);
         }
         const int64_t r = row_at(i);
-        est[i] = norm * bf16_to_f32(sc[r]) *
-                 estimate_row<kChunks>(queries[h], permute, s + r * n_sub, mag + r * kRowBytes, wc + r * weight_bytes);
+        const uint8_t* record = rec + r * kRecordBytes;
+        uint16_t scale_bits;
+        std::memcpy(&scale_bits, record + kScaleAt, sizeof scale_bits);
+        est[i] = norm * bf16_to_f32(scale_bits) *
+                 estimate_row<kChunks>(queries[h], permute, s + r * n_sub, record, record + kWeightsAt);
       }
     }, /*linger=*/true);  // the final top-k follows
   };
@@ -612,8 +614,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PariskvRerank, rerank,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
