@@ -140,19 +140,20 @@ def test_native_top_k_of_close_rising_values(k):
     np.testing.assert_array_equal(jax.jit(native.top_k, static_argnums=1)(values, k), jax.lax.top_k(values, k)[1])
 
 
+@pytest.mark.parametrize("c", [3_277, 26_214])  # ParisKV's candidates at 16k and 256k keys
 @pytest.mark.parametrize("k", [1, 100, 2048])
-def test_native_top_k_of_a_long_row(k):
-    """Rows of 4,096 values and more are first cut to those within a bound taken from a
-    strided sample: normal scores with ties, -0 and -inf among them; and a row whose
-    sampled positions hold its largest values, so that for k = 100 and 2048 the sample's
-    bound keeps fewer than k and the kernel must fall back to every value."""
+def test_native_top_k_of_a_long_row(k, c):
+    """Rows are first cut to the values within a bound taken from a strided sample of
+    min(1024, C/4) of them (unless it would keep half of them): normal scores with ties, -0
+    and -inf among them; and a row whose sampled positions hold its largest values, so that
+    the sample's bound keeps fewer than k and the kernel must fall back to every value."""
     rng = np.random.default_rng(11)
-    c = 26_214  # ParisKV's candidates at 256k keys
     normal = np.round(rng.standard_normal(c) * 64) / 64  # many ties
     normal[rng.choice(c, 500, replace=False)] = -np.inf
     normal[rng.choice(c, 50, replace=False)] = -0.0
     misleading = rng.uniform(0, 1, c)
-    misleading[np.arange(1024) * c // 1024] += 10.0  # the sampled positions: 1,024 values above every other
+    sample = min(1024, c // 4)
+    misleading[np.arange(sample) * c // sample] += 10.0  # the sampled positions: above every other value
     values = jnp.asarray(np.stack([normal, misleading]), jnp.float32)
     np.testing.assert_array_equal(jax.jit(native.top_k, static_argnums=1)(values, k), jax.lax.top_k(values, k)[1])
 

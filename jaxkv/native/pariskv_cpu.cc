@@ -577,17 +577,21 @@ int64_t positions_at_most(const float* values, int64_t c, uint32_t bound, int32_
   return n;
 }
 
-// A key bound that about k + 3·sqrt(k·C/1024) + 9·C/1024 of the C values meet (at least k
-// nearly always): the quantile of a strided sample of 1024 keys three standard deviations
-// and 8 past k/C. Rows under 4 samples' worth keep every value.
+// A key bound that about k + 3·sqrt(k·C/S) + 9·C/S of the C values meet (at least k nearly
+// always): the quantile of a strided sample of S = min(1024, C/4) keys three standard
+// deviations and 8 past k/C. Where that would keep half the values or more, or S < 64, the
+// bound keeps every value: sorting them all is then cheaper than the sample. At 16k keys
+// (C = 3,277) sorting every value took 56 us of a 270 us top-100 step.
 uint32_t sampled_key_bound(const float* values, int64_t c, int64_t k) {
-  constexpr int64_t kSample = 1024;
-  if (c < 4 * kSample) return std::numeric_limits<uint32_t>::max();
+  constexpr int64_t kSample = 1024, kMinSample = 64;
+  const int64_t size = std::min(kSample, c / 4);
+  const double rank = static_cast<double>(k) * static_cast<double>(size) / static_cast<double>(c);
+  const int64_t bound_rank = static_cast<int64_t>(rank + 3 * std::sqrt(rank) + 8);
+  if (size < kMinSample || 2 * bound_rank >= size) return std::numeric_limits<uint32_t>::max();
   std::array<uint64_t, kSample> sample, spare;
-  for (int64_t s = 0; s < kSample; ++s) sample[s] = descending_key(values[s * c / kSample]);
-  const uint64_t* sorted = radix_sort(sample.data(), spare.data(), kSample, 0);
-  const double rank = static_cast<double>(k) * kSample / static_cast<double>(c);
-  return static_cast<uint32_t>(sorted[std::min<int64_t>(kSample - 1, static_cast<int64_t>(rank + 3 * std::sqrt(rank) + 8))]);
+  for (int64_t s = 0; s < size; ++s) sample[s] = descending_key(values[s * c / size]);
+  const uint64_t* sorted = radix_sort(sample.data(), spare.data(), size, 0);
+  return static_cast<uint32_t>(sorted[bound_rank]);
 }
 
 // Positions [k] of the k largest values[C], largest first, ties to the lower position:
