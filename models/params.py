@@ -78,6 +78,12 @@ def activation_dtype(params: Params):
     return params.final_norm.dtype
 
 
+def cast_params(params: Params, dtype) -> Params:
+    """The same params with every floating-point array in ``dtype`` (a bfloat16 model's
+    weights, and so its activations and cache); GGUF blocks (uint8) stay as they are."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
 def layers_are_split(params: Params) -> bool:
     """Whether ``params`` holds one LayerParams per layer (:func:`unstack_layers`)."""
     return isinstance(params.layers, tuple)

@@ -80,7 +80,7 @@ def test_stacked_and_per_layer_cached_attention_agree():
 def _decode_loop_hlo(config, prompt, new, method, method_config=None, cache_config=None, dtype=jnp.float32):
     """The compiled text of generate()'s real token loop for one prompt, weights (and so the
     cache) of dtype."""
-    params = jax.tree.map(lambda x: x.astype(dtype), models.init_params(config, jax.random.key(0)))
+    params = models.cast_params(models.init_params(config, jax.random.key(0)), dtype)
     backend = kvcache.make_backend(config, method, method_config, cache_config, len(prompt), new)
     prefilled = jaxkv.prefill_prompts(params, config, [prompt], capacity=backend.staging_capacity)
     lengths = jnp.asarray([len(prompt)], jnp.int32)

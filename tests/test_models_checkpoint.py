@@ -41,7 +41,7 @@ def _assert_bit_identical(a, b):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_round_trip_is_bit_identical(tmp_path, qwen3_like, dtype):
     config, params = qwen3_like
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    params = models.cast_params(params, dtype)
     models.save(tmp_path / "ckpt", config, params)
     restored_config, restored = models.restore(tmp_path / "ckpt")
     assert restored_config == config

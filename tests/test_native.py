@@ -296,7 +296,7 @@ def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer, method, mc
     A bfloat16 model's cache is bfloat16, its retrieval rows kept as bits: the kernels read
     them in place."""
     config, params = one_layer
-    params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    params = models.cast_params(params, dtype)
     module = {"pariskv": pariskv, "magicpig": magicpig}[method]
     assert module.reads_rows_in_place(dataclasses.replace(mcfg, kernels="native"),
                                       models.stored_rows(jnp.zeros((1, 16), dtype)))
@@ -408,7 +408,7 @@ def test_dense_layers_attend_in_the_kernel_when_the_config_asks_for_native_kerne
 def test_generate_with_the_native_dense_kernel_gives_the_xla_tokens(one_layer, dtype):  # noqa: F811
     """Two prompts of different lengths (each row's keys up to its own position), 9 steps."""
     config, params = one_layer
-    params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    params = models.cast_params(params, dtype)
     prompts = _prompts([30, 11], seed=12)
     tokens = {kernels: jaxkv.generate(params, config, prompts, max_new_tokens=9, eos_ids=(), method="dense",
                                       method_config=dense.DenseConfig(kernels=kernels)).tokens
