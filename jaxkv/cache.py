@@ -415,7 +415,7 @@ def _exact_partial(q, state: RegionKV, *, method, mcfg):
     its write, a window (a while-loop carry) was copied twice per step by XLA
     (into a temporary, then back for the in-place write); concatenating the
     regions copied them too. A method config that attends its selection in place
-    (the CPU kernels) attends the window that way too.
+    (the CPU kernels) attends the sink and the window that way too.
     """
     if attends_in_place(method, mcfg, state.win_k):
         sink, window = _sink_partial_in_place(q, state), _window_partial_in_place(q, state)
