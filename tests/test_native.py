@@ -77,15 +77,18 @@ def test_native_candidates_across_vote_blocks(n):
                                   candidates(dataclasses.replace(CFG, kernels="xla"), index, q))
 
 
+# scale 3e37: the scores' range overflows float32, so the kernel ranks all 256 patterns of
+# a subspace as one bucket (its fallback), ties included.
+@pytest.mark.parametrize("scale", [1.0, 3e37])
 @pytest.mark.parametrize("count", [1, 10, 100, 200, 600, 2000, 4000])
-def test_native_vote_table_ranks_tied_patterns_as_the_xla_path(count):
+def test_native_vote_table_ranks_tied_patterns_as_the_xla_path(count, scale):
     """Integer query coordinates tie many pattern scores exactly (see test_pariskv's
     test_vote_table_ranks_tied_patterns_by_the_lower_pattern): the kernel's ranking of
     ties decides which buckets fill a tier, so its rows must still be the XLA path's.
     The counts put the vote threshold at votes + 1 of 19, 12, 8, 7, 5, 1 and 0 (4,000:
     past the valid rows)."""
     cap, n = 4000, 3500
-    q_rot = jnp.asarray(np.r_[np.ones(8), np.arange(8) % 3, -np.ones(8), np.zeros(8)], jnp.float32)
+    q_rot = scale * jnp.asarray(np.r_[np.ones(8), np.arange(8) % 3, -np.ones(8), np.zeros(8)], jnp.float32)
     rng = np.random.default_rng(8)
     counts = jnp.asarray(rng.integers(0, 40, (4, 256)), jnp.int32)
     signs = jnp.asarray(rng.integers(0, 256, (cap, 4)), jnp.uint8)
