@@ -220,7 +220,9 @@ void subspace_votes(const float* score, const int32_t* count, const float* caps,
   alignas(64) uint8_t bucket[kPatterns];
   for (int p = 0; p < kPatterns; p += 16) {
     const __m512 offset = _mm512_mul_ps(_mm512_sub_ps(_mm512_set1_ps(top), plus_zero(p)), _mm512_set1_ps(scale));
-    const __m512i b = _mm512_min_epi32(_mm512_cvttps_epi32(offset), _mm512_set1_epi32(kPatterns - 1));
+    // A NaN offset (∞ − ∞, only where scale is 0) converts to INT_MIN: bucket 0, as the rest.
+    const __m512i b = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(offset), _mm512_setzero_si512()),
+                                       _mm512_set1_epi32(kPatterns - 1));
     _mm_store_si128(reinterpret_cast<__m128i*>(bucket + p), _mm512_cvtepi32_epi8(b));
   }
   alignas(64) int32_t covered[kPatterns] = {};  // keys in each bucket, then in it and those before
