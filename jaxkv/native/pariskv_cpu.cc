@@ -38,7 +38,6 @@ using jaxkv_native::bf16_to_f32;
 using jaxkv_native::lanes_in_use;
 using jaxkv_native::parallel_chunks;
 using jaxkv_native::parallel_for;
-using jaxkv_native::prefetch_lines;
 using jaxkv_native::product;
 
 constexpr int kPatterns = 256;    // m = 8: a bucket id is one byte
@@ -549,9 +548,11 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
       const float norm = q_norm.typed_data()[h];
       // The rows are scattered over the index, in ascending order, too sparse for the
       // hardware prefetcher: a row's signs and both ends of its record are fetched into L2
-      // kFar rows ahead and into L1 kNear rows ahead (at 1M keys the rerank alone
-      // 4.2 -> 3.5 ms against kNear alone, when the record was only the magnitudes).
-      constexpr int64_t kNear = 16, kFar = 48;
+      // kFar rows ahead. Not into L1 as well: those prefetches held line fill buffers that
+      // the misses from DRAM wait for (SmolLM2's shape, the rerank alone at 1M keys
+      // 2.07-2.13 -> 1.76-1.84 ms without them, at 256k 0.49 -> 0.42; Llama's at 256k and
+      // any at 16k unchanged).
+      constexpr int64_t kFar = 48;
       const auto row_at = [&](int64_t i) { return std::clamp<int64_t>(row[i], 0, cap - 1); };
       for (int64_t first = begin; first < end; first += 16) {  // 16 rows summed at once
         __m512 partials[16];
@@ -568,11 +569,6 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
             _mm_prefetch(reinterpret_cast<const char*>(s + ahead * n_sub), _MM_HINT_T1);
             _mm_prefetch(reinterpret_cast<const char*>(rec + ahead * kRecordBytes), _MM_HINT_T1);
             _mm_prefetch(reinterpret_cast<const char*>(rec + (ahead + 1) * kRecordBytes - 1), _MM_HINT_T1);
-          }
-          if (i + kNear < end) {
-            const int64_t ahead = row_at(i + kNear);
-            _mm_prefetch(reinterpret_cast<const char*>(s + ahead * n_sub), _MM_HINT_T0);
-            prefetch_lines(rec + ahead * kRecordBytes, rec + (ahead + 1) * kRecordBytes);
           }
           const int64_t r = row_at(i);
           const uint8_t* record = rec + r * kRecordBytes;
