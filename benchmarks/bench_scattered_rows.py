@@ -127,7 +127,8 @@ def kernel_modes(n: int, head_dim: int, heads: int, group: int, density: float, 
     idx, mask, sampled = sample_slots(rng, n, heads, group, density, head_share)
     cfg = magicpig.MagicPIGConfig()
     tables_used = jnp.full((heads, group), cfg.L, jnp.int32)
-    attend = jax.jit(lambda idx: native.magicpig_attend(
+    # The regions are arguments: closed over, they would be folded into the program as constants.
+    attend = jax.jit(lambda idx, keys, values: native.magicpig_attend(
         q, keys, values, mu, idx, jnp.asarray(mask), tables_used, K=cfg.K, min_hits=cfg.min_hits,
         tail_terms=magicpig.TAIL_TERMS, log_u_floor=magicpig.LOG_U_FLOOR, masked_score=common.MASKED_SCORE))
     evict = np.zeros(evict_mb << 20, np.uint8)
@@ -138,9 +139,9 @@ def kernel_modes(n: int, head_dim: int, heads: int, group: int, density: float, 
             if evicted:
                 evict[::64] += 1
             else:
-                jax.block_until_ready(attend(rows))
+                jax.block_until_ready(attend(rows, keys, values))
             start = time.perf_counter()
-            jax.block_until_ready(attend(rows))
+            jax.block_until_ready(attend(rows, keys, values))
             seconds[mode].append(time.perf_counter() - start)
     return {"rows": {mode: sampled for mode in layouts}, "pairs": int(mask.sum()),
             "seconds": {mode: s[1:] for mode, s in seconds.items()}}
