@@ -46,6 +46,7 @@ using jaxkv_native::prefetch_lines;
 using jaxkv_native::rows_of;
 using jaxkv_native::rows_supported;
 using jaxkv_native::product;
+using jaxkv_native::sum_each;
 
 // The bucket of `code`, clamped to the table's n_buckets.
 int64_t bucket_of(int32_t code, int64_t n_buckets) { return std::clamp<int64_t>(code, 0, n_buckets - 1); }
@@ -447,37 +448,54 @@ struct CollisionLogProb {
   }
 };
 
-// 16 lanes at a time (a float sum is not vectorised by the compiler: its order would change),
-// the last d % 16 by masked loads. Not by a scalar loop: built for a Xeon (GCC 12,
-// -march=native), its rounding differed between float and bfloat16 rows, and so did their
-// partials (d = 24 in test_native); built for an EPYC they agreed.
-template <typename Row>
-float dot(const float* a, const Row* b, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
+// Lane j: Σ_i f(q_i, rows[j]_i) over d coordinates for 16 rows, f(q, r, acc) an FMA: 16
+// coordinates of the 16 rows at a time (16 independent sums, one load of q), the last d % 16
+// by masked loads. Not by a scalar loop (a float sum is not vectorised by the compiler: its
+// order would change): built for a Xeon (GCC 12, -march=native), its rounding differed
+// between float and bfloat16 rows, and so did their partials (d = 24 in test_native); built
+// for an EPYC they agreed.
+template <typename Row, typename Fma>
+__m512 sums16(const float* q, const Row* const (&rows)[16], int64_t d, const Fma& fma) {
+  __m512 partial[16];
+  for (auto& p : partial) p = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
+  for (; i + 16 <= d; i += 16) {
+    const __m512 qi = _mm512_loadu_ps(q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) partial[j] = fma(qi, load16(rows[j] + i), partial[j]);
+  }
   if (i < d) {
     const __mmask16 lanes = lanes_in_use(d - i);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, a + i), load16(b + i, lanes), acc);
+    const __m512 qi = _mm512_maskz_loadu_ps(lanes, q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) partial[j] = fma(qi, load16(rows[j] + i, lanes), partial[j]);
+  }
+  return sum_each(partial);
+}
+
+// Lane j: q · rows[j].
+template <typename Row>
+__m512 products16(const float* q, const Row* const (&rows)[16], int64_t d) {
+  return sums16(q, rows, d, [](__m512 q, __m512 r, __m512 acc) { return _mm512_fmadd_ps(q, r, acc); });
+}
+
+// a · b for two float vectors (a query's norm, its product with mu).
+float dot(const float* a, const float* b, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 lanes = lanes_in_use(d - i);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, a + i), _mm512_maskz_loadu_ps(lanes, b + i), acc);
   }
   return _mm512_reduce_add_ps(acc);
 }
 
-// |a - b|, the difference not stored.
+// Lane j: |rows[j] - mu|.
 template <typename Row>
-float distance(const Row* a, const float* b, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    const __m512 diff = load16(a + i) - _mm512_loadu_ps(b + i);
-    acc = _mm512_fmadd_ps(diff, diff, acc);
-  }
-  if (i < d) {
-    const __mmask16 lanes = lanes_in_use(d - i);
-    const __m512 diff = load16(a + i, lanes) - _mm512_maskz_loadu_ps(lanes, b + i);
-    acc = _mm512_fmadd_ps(diff, diff, acc);
-  }
-  return std::sqrt(_mm512_reduce_add_ps(acc));
+__m512 distances16(const float* mu, const Row* const (&rows)[16], int64_t d) {
+  return _mm512_sqrt_ps(sums16(mu, rows, d, [](__m512 mu, __m512 r, __m512 acc) {
+    const __m512 diff = r - mu;
+    return _mm512_fmadd_ps(diff, diff, acc);
+  }));
 }
 
 // The unnormalised partial (o [G, d], l [G], m [G]) of one block of slots: two passes, the
@@ -508,10 +526,58 @@ struct AttendHead {
   float scale, log_u_floor;
 };
 
+// A row's first element (its slot's index clamped into the region).
+template <typename Row>
+int64_t row_at(const AttendHead<Row>& a, int64_t slot) { return std::clamp<int64_t>(a.idx[slot], 0, a.cap - 1) * a.d; }
+
+// The kHeads heads' (from g0) sums of weight · value row (weights [head][slot - begin], lanes
+// per head), 64 coordinates at a time: each row read once for all of them, their sums in
+// registers from row to row; a row adds only to the heads that sampled it (weight not 0: a
+// row no head sampled may hold anything). Head by head over the slots each sampled, a row
+// was read again by every head that sampled it: with the keys' pass 16 rows at a time, the
+// window's 1,024 rows of three heads at 16k keys 60-65 -> 35-42 us a call (alternated in one
+// process); a MagicPIG sample of 1 in 2 rows per head took the same either way.
+template <int64_t kHeads, typename Row>
+void sum_values_of_heads(const AttendHead<Row>& a, int64_t g0, int64_t begin, int64_t count, const float* weights,
+                         int64_t lanes, Partial& out) {
+  for (int64_t i0 = 0; i0 < a.d; i0 += 64) {
+    const __mmask16 part[4] = {lanes_in_use(a.d - i0), lanes_in_use(a.d - i0 - 16), lanes_in_use(a.d - i0 - 32),
+                               lanes_in_use(a.d - i0 - 48)};
+    __m512 sum[kHeads][4];
+    for (auto& head_sum : sum)
+      for (auto& s : head_sum) s = _mm512_setzero_ps();
+    for (int64_t c = 0; c < count; ++c) {
+      const Row* v = a.values + row_at(a, begin + c) + i0;
+      const __m512 row[4] = {load16(v, part[0]), load16(v + 16, part[1]), load16(v + 32, part[2]), load16(v + 48, part[3])};
+      for (int64_t h = 0; h < kHeads; ++h) {
+        const __m512 p = _mm512_set1_ps(weights[(g0 + h) * lanes + c]);
+        const __mmask16 sampled = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        for (int u = 0; u < 4; ++u) sum[h][u] = _mm512_mask3_fmadd_ps(p, row[u], sum[h][u], sampled);
+      }
+    }
+    for (int64_t h = 0; h < kHeads; ++h)
+      for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(out.o.data() + (g0 + h) * a.d + i0 + 16 * u, part[u], sum[h][u]);
+  }
+}
+
+// sum_values_of_heads over the heads, four at a time (their 16 sums and a row in registers).
+template <typename Row>
+void sum_values(const AttendHead<Row>& a, int64_t begin, int64_t count, const float* weights, int64_t lanes,
+                Partial& out) {
+  for (int64_t g0 = 0; g0 < a.heads; g0 += 4) {
+    switch (std::min<int64_t>(4, a.heads - g0)) {
+      case 1: sum_values_of_heads<1>(a, g0, begin, count, weights, lanes, out); break;
+      case 2: sum_values_of_heads<2>(a, g0, begin, count, weights, lanes, out); break;
+      case 3: sum_values_of_heads<3>(a, g0, begin, count, weights, lanes, out); break;
+      default: sum_values_of_heads<4>(a, g0, begin, count, weights, lanes, out); break;
+    }
+  }
+}
+
 template <typename Row>
 void attend_block(const AttendHead<Row>& a, int64_t begin, int64_t end, Partial& out) {
   constexpr float kUnsampled = -std::numeric_limits<float>::infinity();
-  const auto row_of = [&](int64_t c) { return std::clamp<int64_t>(a.idx[c], 0, a.cap - 1) * a.d; };
+  const auto row_of = [&](int64_t c) { return row_at(a, c); };
   const auto sampled_by_any = [&](int64_t c) {
     bool any = false;
     for (int64_t g = 0; g < a.heads; ++g) any |= a.mask[g * a.slots + c];
@@ -528,7 +594,7 @@ void attend_block(const AttendHead<Row>& a, int64_t begin, int64_t end, Partial&
   // The cosine's numerator q·(k - mu) is q·k - q·mu: one product per row and head, shared
   // with the score.
   std::vector<float> score(a.heads * lanes, kUnsampled), cosine(a.heads * lanes, 0.0f), q_norm(a.heads), q_mu(a.heads);
-  std::vector<int32_t> head_slots(a.heads * lanes);  // each head's sampled slots, ascending
+  std::vector<int32_t> head_slots(a.heads * lanes);  // with a correction: each head's sampled slots, ascending
   std::vector<int64_t> n_sampled(a.heads, 0);
   for (int64_t g = 0; g < a.heads; ++g) {
     q_norm[g] = std::sqrt(dot(a.q + g * a.d, a.q + g * a.d, a.d));
@@ -538,24 +604,42 @@ void attend_block(const AttendHead<Row>& a, int64_t begin, int64_t end, Partial&
   // through a lambda: GCC 12 at -O3 dropped the prefetches of one, measured 5.4 -> 7.4 ms.)
   const int64_t ahead = std::min(end, begin + kRowsAhead);
   for (int64_t c = begin; c < ahead; ++c) prefetch_row(a.keys + row_of(c), a.d), prefetch_row(a.values + row_of(c), a.d);
-  for (int64_t c = begin; c < end; ++c) {
-    if (c + kRowsAhead < end) {
-      prefetch_row(a.keys + row_of(c + kRowsAhead), a.d);
-      prefetch_row(a.values + row_of(c + kRowsAhead), a.d);
-    }
-    if (!sampled_by_any(c)) continue;
-    const Row* k = a.keys + row_of(c);
-    const float k_norm = a.log_prob ? distance(k, a.mu, a.d) : 0.0f;
-    for (int64_t g = 0; g < a.heads; ++g) {
-      if (!a.mask[g * a.slots + c]) continue;
-      const float qk = dot(a.q + g * a.d, k, a.d);
-      const int64_t packed = g * lanes + n_sampled[g]++;
-      head_slots[packed] = static_cast<int32_t>(c - begin);
-      if (a.log_prob) {
-        const float norms = q_norm[g] * k_norm;
-        cosine[packed] = norms > 0 ? (qk - q_mu[g]) / norms : 0.0f;
+  // 16 slots at a time: a head's 16 products are summed together (sum_each), then kept where
+  // it sampled the slot; with a correction its sampled slots and cosines are packed by a
+  // compress. (One product and one horizontal sum per row and head kept the keys' pass on
+  // their latency chains.)
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t first = begin; first < end; first += 16) {
+    const Row* k[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t c = first + j;
+      if (c + kRowsAhead < end) {
+        prefetch_row(a.keys + row_of(c + kRowsAhead), a.d);
+        prefetch_row(a.values + row_of(c + kRowsAhead), a.d);
       }
-      score[g * lanes + c - begin] = qk * a.scale;
+      k[j] = a.keys + row_of(std::min(c, end - 1));  // past the block's end: its last row again, lanes unused
+    }
+    const __mmask16 in_block = lanes_in_use(end - first);
+    const __m512 k_norm = a.log_prob ? distances16(a.mu, k, a.d) : _mm512_setzero_ps();
+    const __m512i slot = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first - begin)), lane);
+    for (int64_t g = 0; g < a.heads; ++g) {
+      const __m128i sampled_bytes = _mm_maskz_loadu_epi8(in_block, a.mask + g * a.slots + first);
+      const __mmask16 sampled = _mm_test_epi8_mask(sampled_bytes, sampled_bytes);
+      if (!sampled) continue;
+      const __m512 qk = products16(a.q + g * a.d, k, a.d);
+      _mm512_storeu_ps(score.data() + g * lanes + (first - begin),
+                       _mm512_mask_blend_ps(sampled, _mm512_set1_ps(kUnsampled), qk * _mm512_set1_ps(a.scale)));
+      if (a.log_prob) {
+        // Full vectors stored from the head's count: their lanes past the kept ones are zero
+        // (cosine 0 is a valid input where the correction reads padding), overwritten next.
+        const int64_t packed = g * lanes + n_sampled[g];
+        _mm512_storeu_si512(head_slots.data() + packed, _mm512_maskz_compress_epi32(sampled, slot));
+        const __m512 norms = _mm512_set1_ps(q_norm[g]) * k_norm;
+        const __mmask16 positive = _mm512_cmp_ps_mask(norms, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const __m512 cosine_lanes = _mm512_maskz_div_ps(positive, qk - _mm512_set1_ps(q_mu[g]), norms);
+        _mm512_storeu_ps(cosine.data() + packed, _mm512_maskz_compress_ps(sampled, cosine_lanes));
+        n_sampled[g] += _mm_popcnt_u32(sampled);
+      }
     }
   }
   for (int64_t g = 0; g < a.heads; ++g) {
@@ -572,32 +656,18 @@ void attend_block(const AttendHead<Row>& a, int64_t begin, int64_t end, Partial&
     __m512 top = _mm512_set1_ps(out.m[g]);
     for (int64_t c = 0; c < lanes; c += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(head_score + c));
     out.m[g] = _mm512_reduce_max_ps(top);
-    // Weights exp(s - m), 0 where not sampled (score -inf).
+    // Weights exp(s - m), 0 where not sampled (score -inf), and their sum.
     const __m512 m = _mm512_set1_ps(out.m[g]);
+    __m512 weights = _mm512_setzero_ps();
     for (int64_t c = 0; c < lanes; c += 16) {
       float* s = score.data() + g * lanes + c;
-      _mm512_storeu_ps(s, exp_or_zero(_mm512_loadu_ps(s) - m));
+      const __m512 w = exp_or_zero(_mm512_loadu_ps(s) - m);
+      _mm512_storeu_ps(s, w);
+      weights = weights + w;
     }
+    out.l[g] = _mm512_reduce_add_ps(weights);
   }
-  // Each head's sum of weight · value row over the slots it sampled, 64 coordinates at a
-  // time: the four sums stay in registers from row to row (summed through memory, each row's
-  // sum waited on the last row's store).
-  for (int64_t g = 0; g < a.heads; ++g) {
-    const float* weight = score.data() + g * lanes;
-    const int32_t* slots = head_slots.data() + g * lanes;
-    for (int64_t i0 = 0; i0 < a.d; i0 += 64) {
-      const __mmask16 part[4] = {lanes_in_use(a.d - i0), lanes_in_use(a.d - i0 - 16), lanes_in_use(a.d - i0 - 32),
-                                 lanes_in_use(a.d - i0 - 48)};
-      __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int64_t j = 0; j < n_sampled[g]; ++j) {
-        const __m512 p = _mm512_set1_ps(weight[slots[j]]);
-        const Row* v = a.values + row_of(begin + slots[j]) + i0;
-        for (int u = 0; u < 4; ++u) sum[u] = _mm512_fmadd_ps(p, load16(v + 16 * u, part[u]), sum[u]);
-      }
-      for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(out.o.data() + g * a.d + i0 + 16 * u, part[u], sum[u]);
-    }
-    for (int64_t j = 0; j < n_sampled[g]; ++j) out.l[g] += weight[slots[j]];
-  }
+  sum_values(a, begin, count, score.data(), lanes, out);
 }
 
 // Every batch entry's partial from blocks of slots in parallel, each block a partial of its

@@ -1,7 +1,7 @@
 // What jaxkv's CPU kernels share: a cache-line prefetch, the lanes of a vector in use, the
-// batch size of an FFI buffer's leading axes, a bfloat16's float32 value, key and value rows
-// widened in registers, softmax weights by libmvec's exp, and work split over XLA's intra-op
-// thread pool. Included by every kernel source of the library.
+// sums of 16 vectors' lanes at once, the batch size of an FFI buffer's leading axes, a
+// bfloat16's float32 value, key and value rows widened in registers, softmax weights by
+// libmvec's exp, and work split over XLA's intra-op thread pool. Included by every kernel source of the library.
 #pragma once
 
 #include <immintrin.h>
@@ -56,6 +56,23 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 inline __m512 load16(const bf16* p, __mmask16 lanes) { return widen(_mm256_maskz_loadu_epi16(lanes, p)); }
+
+// Lane r: the sum of v[r]'s 16 lanes. Halves, quarters, pairs and lanes of two vectors at a
+// time are added, 31 shuffles for 16 rows where a reduction per row takes 4 each.
+inline __m512 sum_each(const __m512 (&v)[16]) {
+  __m512 halves[8], quarters[4], pairs[2];
+  for (int k = 0; k < 8; ++k)  // 256-bit half 0: row 2k, half 1: row 2k + 1
+    halves[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // 128-bit quarter j: row 4k + j
+    quarters[k] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)  // in quarter j, lanes 0-1: row 8k + j, lanes 2-3: row 8k + 4 + j
+    pairs[k] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], 0x44),
+                             _mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], 0xEE));
+  // Lane 4j + e: row 4e + j.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
 
 // An FFI buffer's rows as Row elements (float, or bf16 for bfloat16 or its bits).
 template <typename Row>

@@ -39,6 +39,7 @@ using jaxkv_native::lanes_in_use;
 using jaxkv_native::parallel_chunks;
 using jaxkv_native::parallel_for;
 using jaxkv_native::product;
+using jaxkv_native::sum_each;
 
 constexpr int kPatterns = 256;    // m = 8: a bucket id is one byte
 constexpr int kMagnitudeBits = 3;  // rsq.MAGNITUDE_BITS
@@ -485,23 +486,6 @@ __m512 row_partials(const RerankQuery& rq, const __m512i (&permute)[2], const ui
     total = _mm512_fmadd_ps(sum, _mm512_cvtepi32_ps(w), total);
   }
   return total;
-}
-
-// Lane r: the sum of v[r]'s 16 lanes. Halves, quarters, pairs and lanes of two vectors at a
-// time are added, 31 shuffles for 16 rows where a reduction per row takes 4 each.
-__m512 sum_each(const __m512 (&v)[16]) {
-  __m512 halves[8], quarters[4], pairs[2];
-  for (int k = 0; k < 8; ++k)  // 256-bit half 0: row 2k, half 1: row 2k + 1
-    halves[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-  for (int k = 0; k < 4; ++k)  // 128-bit quarter j: row 4k + j
-    quarters[k] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0x88),
-                                _mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0xDD));
-  for (int k = 0; k < 2; ++k)  // in quarter j, lanes 0-1: row 8k + j, lanes 2-3: row 8k + 4 + j
-    pairs[k] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], 0x44),
-                             _mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], 0xEE));
-  // Lane 4j + e: row 4e + j.
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
 }
 
 ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::U8> records,
