@@ -1,7 +1,8 @@
 // What jaxkv's CPU kernels share: a cache-line prefetch, the lanes of a vector in use, the
 // sums of 16 vectors' lanes at once, the batch size of an FFI buffer's leading axes, a
 // bfloat16's float32 value, key and value rows widened in registers, softmax weights by
-// libmvec's exp, and work split over XLA's intra-op thread pool. Included by every kernel source of the library.
+// libmvec's exp, and work split over XLA's intra-op thread pool. Included by every kernel
+// source of the library.
 #pragma once
 
 #include <immintrin.h>
