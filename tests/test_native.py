@@ -262,6 +262,31 @@ def test_native_attention_reads_bfloat16_rows_as_their_float32_values(d):
     _assert_partials_close(common.Partial(*got[0]), exact)
 
 
+# The value rows are summed for up to four query heads at once, each row read once: G = 1, 2,
+# 4, 5 and 7 (a group of four, then the rest), with d's masked tails (24, 80). Every tenth
+# slot no head sampled, and its rows are NaN: a row adds only to the heads that sampled it,
+# so the partial is the one of the rows with those zeroed.
+@pytest.mark.parametrize("g, d", [(1, 64), (2, 24), (4, 128), (5, 80), (7, 64)])
+def test_native_attend_rows_for_any_number_of_query_heads(g, d):
+    cap, count = 2000, 600
+    rng = np.random.default_rng(47)
+    idx = rng.choice(cap, count, replace=False)
+    mask = rng.random((g, count)) < 0.5
+    mask[:, ::10] = False
+    keys, values = np.array(_keys(48, (cap, d))), np.array(_keys(49, (cap, d)))
+    unsampled = idx[::10]
+    poisoned_keys, poisoned_values = keys.copy(), values.copy()
+    poisoned_keys[unsampled] = np.nan
+    poisoned_values[unsampled] = np.nan
+    keys[unsampled], values[unsampled] = 0.0, 0.0
+    q = _keys(50, (g, d)) * 0.3
+    idx, mask = jnp.asarray(idx, jnp.int32), jnp.asarray(mask)
+    got = native.attend_rows(q, jnp.asarray(poisoned_keys), jnp.asarray(poisoned_values), idx, mask,
+                             masked_score=common.MASKED_SCORE)
+    want = common.partial_attention(q, jnp.asarray(keys)[idx], jnp.asarray(values)[idx], mask)
+    _assert_partials_close(common.Partial(*got), want)
+
+
 def test_native_attention_refuses_other_row_types():
     q, idx, mask = _keys(45, (2, 64)), jnp.arange(8, dtype=jnp.int32), jnp.ones((2, 8), bool)
     rows = _keys(46, (16, 64))
