@@ -577,7 +577,6 @@ void sum_values(const AttendHead<Row>& a, int64_t begin, int64_t count, const fl
 template <typename Row>
 void attend_block(const AttendHead<Row>& a, int64_t begin, int64_t end, Partial& out) {
   constexpr float kUnsampled = -std::numeric_limits<float>::infinity();
-  const auto row_of = [&](int64_t c) { return row_at(a, c); };
   const auto sampled_by_any = [&](int64_t c) {
     bool any = false;
     for (int64_t g = 0; g < a.heads; ++g) any |= a.mask[g * a.slots + c];
@@ -603,7 +602,7 @@ void attend_block(const AttendHead<Row>& a, int64_t begin, int64_t end, Partial&
   // The first kRowsAhead rows are fetched before the keys' loop, row c + kRowsAhead in it. (Not
   // through a lambda: GCC 12 at -O3 dropped the prefetches of one, measured 5.4 -> 7.4 ms.)
   const int64_t ahead = std::min(end, begin + kRowsAhead);
-  for (int64_t c = begin; c < ahead; ++c) prefetch_row(a.keys + row_of(c), a.d), prefetch_row(a.values + row_of(c), a.d);
+  for (int64_t c = begin; c < ahead; ++c) prefetch_row(a.keys + row_at(a, c), a.d), prefetch_row(a.values + row_at(a, c), a.d);
   // 16 slots at a time: a head's 16 products are summed together (sum_each), then kept where
   // it sampled the slot; with a correction its sampled slots and cosines are packed by a
   // compress. (One product and one horizontal sum per row and head kept the keys' pass on
@@ -614,10 +613,10 @@ void attend_block(const AttendHead<Row>& a, int64_t begin, int64_t end, Partial&
     for (int64_t j = 0; j < 16; ++j) {
       const int64_t c = first + j;
       if (c + kRowsAhead < end) {
-        prefetch_row(a.keys + row_of(c + kRowsAhead), a.d);
-        prefetch_row(a.values + row_of(c + kRowsAhead), a.d);
+        prefetch_row(a.keys + row_at(a, c + kRowsAhead), a.d);
+        prefetch_row(a.values + row_at(a, c + kRowsAhead), a.d);
       }
-      k[j] = a.keys + row_of(std::min(c, end - 1));  // past the block's end: its last row again, lanes unused
+      k[j] = a.keys + row_at(a, std::min(c, end - 1));  // past the block's end: its last row again, lanes unused
     }
     const __mmask16 in_block = lanes_in_use(end - first);
     const __m512 k_norm = a.log_prob ? distances16(a.mu, k, a.d) : _mm512_setzero_ps();
