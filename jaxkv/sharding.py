@@ -4,9 +4,11 @@ What lives where (PartitionSpecs over the mesh axes ``("data", "model")``):
 
 - parameters: the query-head axis of ``wq``/``bq``/``wo`` and the KV-head axis of
   ``wk``/``wv``/``bk``/``bv`` on ``model`` (query heads are grouped by KV head,
-  so splitting Hkv into equal blocks splits Hq the same way); the MLP's hidden
-  axis F on ``model`` when it divides (Megatron style), replicated otherwise;
-  embeddings, norms and the output bias replicated.
+  so splitting Hkv into equal blocks splits Hq the same way; ``wqkv``/``bqkv``,
+  q, k and v joined per KV head by ``models.unstack_layers``, on their KV-head
+  axis, whole groups to a device); the MLP's hidden axis F on ``model`` when it
+  divides (Megatron style), replicated otherwise; embeddings, norms and the output
+  bias replicated.
 - caches: batch on ``data``, KV heads on ``model``, for the dense cache and for
   every leaf of the four-region cache (:class:`jaxkv.cache.RegionKV`): the exact
   regions, the retrieval region (which keeps its ``pinned_host`` memory kind)
@@ -41,6 +43,8 @@ AXES = (DATA, MODEL)
 _HEAD_SHARDED = {
     "wq": P(None, MODEL, None), "wk": P(None, MODEL, None), "wv": P(None, MODEL, None),
     "wo": P(MODEL, None, None), "bq": P(MODEL, None), "bk": P(MODEL, None), "bv": P(MODEL, None),
+    # joined per KV head (models.params.join_projections): a shard holds whole GQA groups
+    "wqkv": P(None, MODEL, None, None), "bqkv": P(MODEL, None, None),
 }
 _MLP_SHARDED = {"w_gate": P(None, MODEL), "w_up": P(None, MODEL), "w_down": P(MODEL, None)}
 

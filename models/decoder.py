@@ -379,9 +379,7 @@ def _layer(layer: LayerParams, config: ModelConfig, inv_freq, x, positions, stat
     """One pre-norm decoder layer: x + attention(norm(x)), then x + MLP(norm(x))."""
     eps = config.rms_norm_eps
     h = rms_norm(x, layer.attn_norm, eps)
-    q = _project(h, layer.wq, layer.bq)
-    k = _project(h, layer.wk, layer.bk)
-    v = _project(h, layer.wv, layer.bv)
+    q, k, v = _project_qkv(h, layer)
     if config.qk_norm:
         q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -393,6 +391,17 @@ def _layer(layer: LayerParams, config: ModelConfig, inv_freq, x, positions, stat
     h = rms_norm(x, layer.mlp_norm, eps)
     gated = jax.nn.silu(_matmul(h, layer.w_gate)) * _matmul(h, layer.w_up)
     return x + _matmul(gated, layer.w_down), state
+
+
+def _project_qkv(h, layer: LayerParams):
+    """h [B, T, D] through the q, k and v matrices, apart or joined (models.params.join_projections)."""
+    if layer.wqkv is None:
+        return _project(h, layer.wq, layer.bq), _project(h, layer.wk, layer.bk), _project(h, layer.wv, layer.bv)
+    qkv = jnp.einsum("btd,dngk->btngk", h, layer.wqkv)  # [B, T, Hkv, G + 2, hd]
+    if layer.bqkv is not None:
+        qkv = qkv + layer.bqkv
+    group = qkv.shape[3] - 2
+    return qkv[..., :group, :].reshape(*qkv.shape[:2], -1, qkv.shape[-1]), qkv[..., group, :], qkv[..., group + 1, :]
 
 
 def _matmul(h, w):

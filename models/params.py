@@ -19,17 +19,22 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.errors import ModelError
+from models.quantized import QuantizedMatrix
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerParams:
-    """One decoder layer's weights, each with a leading num_layers axis."""
+    """One decoder layer's weights, each with a leading num_layers axis (none once split).
+
+    Split per layer, q, k and v may be joined into one matrix (:func:`join_projections`);
+    the three are then None.
+    """
 
     attn_norm: jax.Array      # [L, D]
-    wq: jax.Array             # [L, D, Hq, hd]
-    wk: jax.Array             # [L, D, Hkv, hd]
-    wv: jax.Array             # [L, D, Hkv, hd]
+    wq: jax.Array | None      # [L, D, Hq, hd]
+    wk: jax.Array | None      # [L, D, Hkv, hd]
+    wv: jax.Array | None      # [L, D, Hkv, hd]
     wo: jax.Array             # [L, Hq, hd, D]
     mlp_norm: jax.Array       # [L, D]
     w_gate: jax.Array         # [L, D, F]
@@ -41,6 +46,8 @@ class LayerParams:
     bo: jax.Array | None = None      # [L, D]        when attention_out_bias
     q_norm: jax.Array | None = None  # [L, hd]       when qk_norm
     k_norm: jax.Array | None = None  # [L, hd]       when qk_norm
+    wqkv: jax.Array | None = None    # [D, Hkv, G + 2, hd]  joined: KV head n's G query heads, its key, its value
+    bqkv: jax.Array | None = None    # [Hkv, G + 2, hd]     joined biases, when attention_bias
 
 
 @jax.tree_util.register_dataclass
@@ -61,15 +68,42 @@ def layer_params(params: Params, index: int) -> LayerParams:
     return jax.tree.map(lambda w: w[index], params.layers)
 
 
-def unstack_layers(params: Params, num_layers: int) -> Params:
+def unstack_layers(params: Params, num_layers: int, join: bool = True) -> Params:
     """The same weights with one LayerParams per layer instead of one stacked LayerParams.
 
     For jitted loops over tokens: XLA CPU copies a layer's slice of a stacked
     weight before each matmul that reads it, so slicing inside the loop copies
     every weight on every token. Called in front of the loop, the slices are
     copied once per call (while the loop runs, the weights are held twice).
+    join: each layer's q, k and v read as one matrix (:func:`join_projections`).
     """
-    return dataclasses.replace(params, layers=tuple(layer_params(params, i) for i in range(num_layers)))
+    layers = tuple(layer_params(params, i) for i in range(num_layers))
+    return dataclasses.replace(params, layers=tuple(map(join_projections, layers)) if join else layers)
+
+
+def join_projections(layer: LayerParams) -> LayerParams:
+    """One layer's q, k and v matrices as one ``wqkv`` [D, Hkv, G + 2, hd] (KV head n's G
+    query heads, then its key and its value head; biases likewise): a decode step multiplies
+    its row by one matrix where it multiplied by three. XLA CPU runs the product with a small
+    matrix on one thread (SmolLM2's k and v, 576 × 192, at 9 GB/s; q, 576 × 576, at 14) and
+    with the three joined (576 × 960) on both (26-30 GB/s). (Gate and up joined, 576 × 3072,
+    gained nothing over their two products at 30 GB/s: they stay apart.) Left as they are
+    when one of them is in GGUF blocks (models.quantized, its own kernel) or joined already.
+    """
+    parts = (layer.wq, layer.wk, layer.wv)
+    if not any(w is None or isinstance(w, QuantizedMatrix) for w in parts):
+        layer = dataclasses.replace(
+            layer, wq=None, wk=None, wv=None, bq=None, bk=None, bv=None,
+            wqkv=_join_by_kv_head(parts),
+            bqkv=None if layer.bq is None else _join_by_kv_head((layer.bq, layer.bk, layer.bv)))
+    return layer
+
+
+def _join_by_kv_head(parts) -> jax.Array:
+    """q [..., Hq, hd], k and v [..., Hkv, hd] as one [..., Hkv, G + 2, hd]: KV head n's G query
+    heads (query head h reads KV head h // G), then its key head and its value head."""
+    kv_heads = parts[1].shape[-2]
+    return jnp.concatenate([w.reshape(*w.shape[:-2], kv_heads, -1, w.shape[-1]) for w in parts], axis=-2)
 
 
 def activation_dtype(params: Params):

@@ -95,6 +95,21 @@ def test_right_padded_batch_matches_rows_alone(reference, loaded):
         np.testing.assert_allclose(np.asarray(logits[row, 0]), expected[row, n], rtol=0, atol=TOL)
 
 
+def test_split_layers_with_joined_projections_match_transformers(reference, loaded):
+    """models.unstack_layers joins each layer's q, k and v into one matrix:
+    the logits stay transformers' (Llama-3.1 with 2 query heads per KV head, Qwen2 with
+    biases and one KV head, Qwen3 with q/k norms), so each query head still meets its KV head."""
+    _, _, tokens, expected = reference
+    config, params = loaded
+    layer = models.unstack_layers(params, config.num_layers).layers[0]
+    assert layer.wq is None and layer.wk is None and layer.wv is None
+    group = config.num_heads // config.num_kv_heads
+    assert layer.wqkv.shape == (config.hidden_size, config.num_kv_heads, group + 2, config.head_dim)
+    assert (layer.bqkv is not None) == config.attention_bias
+    logits = forward(models.unstack_layers(params, config.num_layers), config, jnp.asarray(tokens, jnp.int32))
+    np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=TOL)
+
+
 def test_per_layer_callables_match_scan(build_reference):
     """forward_hidden's Python-loop path (one callable per layer) computes what the scan path does.
 

@@ -130,6 +130,22 @@ def test_decoder_on_blocks_matches_the_dequantised_weights(tiny_quantized):
     np.testing.assert_allclose(logits["blocks"], logits["dense"], rtol=0, atol=1e-5 * scale)
 
 
+def test_split_layers_join_only_matrices_outside_blocks(tiny_quantized):
+    """models.unstack_layers joins q, k and v only where none of them is in GGUF blocks: with
+    k in blocks the three stay apart and compute the float32 model's logits; with none in
+    blocks they are joined."""
+    config, params, dense = tiny_quantized
+    mixed = dataclasses.replace(dense, layers=dataclasses.replace(dense.layers, wk=params.layers.wk))
+    split = models.unstack_layers(mixed, config.num_layers)
+    for layer in split.layers:
+        assert isinstance(layer.wk, quantized.QuantizedMatrix) and layer.wq is not None and layer.wqkv is None
+    assert all(layer.wqkv is not None for layer in models.unstack_layers(dense, config.num_layers).layers)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(3, config.vocab_size, (2, 9)), jnp.int32)
+    expected = np.asarray(models.forward(dense, config, tokens))
+    logits = np.asarray(models.forward(split, config, tokens))
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
 def test_generate_on_blocks_gives_the_dequantised_tokens(tiny_quantized):
     config, params, dense = tiny_quantized
     prompts = [[5, 9, 13, 17], [21, 3]]

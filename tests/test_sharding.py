@@ -238,12 +238,20 @@ def test_param_specs_of_split_layers_are_the_stacked_specs_without_the_layer_axi
     params = models.init_params(CONFIG, jax.random.key(0))
     mesh = sharding.make_mesh(1, 1)
     stacked = sharding.param_specs(params, mesh).layers
-    split = sharding.param_specs(models.unstack_layers(params, CONFIG.num_layers), mesh).layers
+    split = sharding.param_specs(models.unstack_layers(params, CONFIG.num_layers, join=False), mesh).layers
     assert len(split) == CONFIG.num_layers
     for layer in split:
         for field in dataclasses.fields(layer):
             spec, stacked_spec = getattr(layer, field.name), getattr(stacked, field.name)
             assert spec == (None if stacked_spec is None else jax.P(*stacked_spec[1:]))  # P()[1:] is P()
+
+
+def test_param_specs_of_joined_projections_split_whole_gqa_groups_over_model():
+    params = models.init_params(CONFIG, jax.random.key(0))
+    split = sharding.param_specs(models.unstack_layers(params, CONFIG.num_layers), sharding.make_mesh(1, 1)).layers
+    for layer in split:
+        assert layer.wqkv == jax.P(None, "model", None, None)  # [D, Hkv, G + 2, hd]: by KV head
+        assert layer.wq is layer.wk is layer.wv is None
 
 
 def test_bytes_per_device_counts_each_memory_kind_once_per_device():
