@@ -145,7 +145,7 @@ def main(request: dict) -> dict:
     one_device_logits = np.asarray(jaxkv.prefill_prompts(params, CONFIG, prompts(), capacity=capacity).first_logits)
     top2 = np.sort(one_device_logits, axis=-1)[:, -2:]
     result = {"devices": jax.device_count(), "new_tokens": NEW_TOKENS, "hidden_size": CONFIG.hidden_size,
-              "batch": len(prompts()), "cases": [],
+              "batch": len(prompts()), "cases": [], "split_cases": [],
               "first_logits_abs_max": float(np.abs(one_device_logits).max()),
               "first_logits_top2_gap_min": float(np.min(top2[:, 1] - top2[:, 0]))}
     for method, kwargs, mesh, reference, out in reference_and_sharded(params, request):
@@ -155,6 +155,14 @@ def main(request: dict) -> dict:
             params=layout(sharding.shard_params(params, CONFIG, mesh)),
             states_before=before, states_after=after, bytes_per_device=held, decode_collectives=moved,
             first_logits_max_diff=float(np.max(np.abs(np.asarray(logits) - one_device_logits)))))
+    if request.get("split_params"):  # weights split (q, k and v joined) by the caller, dense decode
+        split = models.unstack_layers(params, CONFIG.num_layers)
+        reference = jaxkv.generate(params, CONFIG, prompts(), max_new_tokens=NEW_TOKENS, eos_ids=())
+        for data, model in request["meshes"]:
+            mesh = sharding.make_mesh(data, model)
+            out = jaxkv.generate(split, CONFIG, prompts(), max_new_tokens=NEW_TOKENS, eos_ids=(), mesh=mesh)
+            result["split_cases"].append(dict(_case("dense", mesh, reference, out),
+                                              params=layout(sharding.shard_params(split, CONFIG, mesh))))
     return result
 
 

@@ -46,8 +46,8 @@ def _result(proc: subprocess.Popen, timeout: int) -> dict:
     return result
 
 
-def _run_worker(meshes, methods, timeout: int) -> dict:
-    return _result(_start_worker({"meshes": meshes, "methods": methods}), timeout)
+def _run_worker(meshes, methods, timeout: int, split_params: bool = False) -> dict:
+    return _result(_start_worker({"meshes": meshes, "methods": methods, "split_params": split_params}), timeout)
 
 
 def _local_shape(shape, batch_axis, head_axis, data, model):
@@ -134,7 +134,7 @@ def _check_case(case, new_tokens):
 def test_sharded_generate_on_a_4x2_mesh_equals_one_device():
     """Dense (stacked cache under scan), MagicPIG (a dense layer 0, then RegionKV) and
     ParisKV with a dense-fallback threshold that only some shards' rows are below."""
-    result = _run_worker([[4, 2]], ["dense", "magicpig", "pariskv_fallback"], timeout=600)
+    result = _run_worker([[4, 2]], ["dense", "magicpig", "pariskv_fallback"], timeout=600, split_params=True)
     assert len(result["cases"]) == 3
     for case in result["cases"]:
         _check_case(case, result["new_tokens"])
@@ -144,6 +144,11 @@ def test_sharded_generate_on_a_4x2_mesh_equals_one_device():
     # steps, so every row reads all its keys. A shard deciding alone (rows of 29 and 30
     # tokens reach 32 after 2 steps) would read fewer: _check_case compared the reads.
     assert all(r == pytest.approx(1.0) for r in fallback["reference_read"]), fallback["reference_read"]
+    # Weights split by the caller: q, k and v joined per KV head, [D, Hkv, G + 2, hd] split by KV head.
+    (split,) = result["split_cases"]
+    assert split["sharded"] == split["reference"]
+    joined = [leaf for leaf in split["params"] if leaf["path"].endswith(".wqkv")]
+    assert len(joined) == 2 and all(leaf["shard_shapes"] == [[48, 6, 5, 8]] for leaf in joined), joined
 
 
 @pytest.mark.slow  # ≈ 6 min on the shared 2-core machine: 15 sharded decode loops to compile
