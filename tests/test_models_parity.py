@@ -101,12 +101,13 @@ def test_split_layers_with_joined_projections_match_transformers(reference, load
     biases and one KV head, Qwen3 with q/k norms), so each query head still meets its KV head."""
     _, _, tokens, expected = reference
     config, params = loaded
-    layer = models.unstack_layers(params, config.num_layers).layers[0]
+    split = models.unstack_layers(params, config.num_layers)
+    layer = split.layers[0]
     assert layer.wq is None and layer.wk is None and layer.wv is None
     group = config.num_heads // config.num_kv_heads
     assert layer.wqkv.shape == (config.hidden_size, config.num_kv_heads, group + 2, config.head_dim)
     assert (layer.bqkv is not None) == config.attention_bias
-    logits = forward(models.unstack_layers(params, config.num_layers), config, jnp.asarray(tokens, jnp.int32))
+    logits = forward(split, config, jnp.asarray(tokens, jnp.int32))
     np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=TOL)
 
 
