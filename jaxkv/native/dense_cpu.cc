@@ -27,6 +27,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxkv_native::add_weighted_rows;
 using jaxkv_native::bf16;
 using jaxkv_native::exp_or_zero;
 using jaxkv_native::lanes_in_use;
@@ -157,10 +158,10 @@ void block_scores(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, flo
 
 // Query heads [g0, g0 + kN) add their weights [kN, kBlock] times the value rows [t0, t0 + count)
 // to their sums in out.o, 16 * kV coordinates of each row at a time (all of a row for d <= 16 * kV),
-// the kN x kV sums in registers. Whole rows per pass keep the rows a stream of contiguous lines:
-// over Llama's heads (d = 128) two passes over half rows took 1.5x the streamed read of the
-// cache, one pass over whole rows per pair of heads 1.4x (docs/results/performance.md, seventh
-// session). The block's first pass (fetch_ahead) fetches the rows kValuesAheadBytes ahead; the
+// the kN x kV sums in registers (add_weighted_rows). Whole rows per pass keep the rows a stream
+// of contiguous lines: over Llama's heads (d = 128) two passes over half rows took 1.5x the
+// streamed read of the cache, one pass over whole rows per pair of heads 1.4x
+// (docs/results/performance.md, seventh session). The block's first pass (fetch_ahead) fetches the rows kValuesAheadBytes ahead; the
 // later passes find the block's rows in L2.
 template <int kN, int kV, typename Row>
 void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, const float* weight, Partial& out,
@@ -181,24 +182,20 @@ void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, c
         for (int u = 0; u < kV; ++u) sum[g][u] = _mm512_maskz_loadu_ps(part[u], o + 16 * u);
       }
     }
-    for (int64_t j = 0; j < count; ++j) {
+    const auto load_row = [&](int64_t j, __m512 (&row)[kV]) {
       const Row* v = h.values + (t0 + j) * h.d + i0;
       if (fetch_ahead && i0 == 0 && t0 + j + rows_ahead < h.visible) {
         const Row* later = h.values + (t0 + j + rows_ahead) * h.d;
         prefetch_lines(later, later + h.d);
       }
-      __m512 row[kV];
       if (pairs) {
         if constexpr (kWidenedInPairs<Row>)
           for (int u = 0; u < kV; u += 2) widen_pair(v + 16 * u, row[u], row[u + 1]);
       } else {
         for (int u = 0; u < kV; ++u) row[u] = load16(v + 16 * u, part[u]);
       }
-      for (int g = 0; g < kN; ++g) {
-        const __m512 p = _mm512_set1_ps(weight[g * kBlock + j]);
-        for (int u = 0; u < kV; ++u) sum[g][u] = _mm512_fmadd_ps(p, row[u], sum[g][u]);
-      }
-    }
+    };
+    add_weighted_rows<kN, kV, /*kSkipUnweighted=*/false>(sum, count, weight, kBlock, load_row);
     for (int g = 0; g < kN; ++g) {
       float* o = out.o.data() + (g0 + g) * h.d + i0;
       if (pairs) {

@@ -36,6 +36,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxkv_native::add_weighted_rows;
 using jaxkv_native::bf16;
 using jaxkv_native::exp_or_zero;
 using jaxkv_native::lanes_in_use;
@@ -531,13 +532,13 @@ template <typename Row>
 int64_t row_at(const AttendHead<Row>& a, int64_t slot) { return std::clamp<int64_t>(a.idx[slot], 0, a.cap - 1) * a.d; }
 
 // The kHeads heads' (from g0) sums of weight · value row (weights [head][slot - begin], lanes
-// per head), 64 coordinates at a time: each row read once for all of them, their sums in
-// registers from row to row; a row adds only to the heads that sampled it (weight not 0: a
-// row no head sampled may hold anything). Head by head over the slots each sampled, a row
-// was read again by every head that sampled it: with the keys' pass 16 rows at a time, the
-// window's 1,024 rows of three heads at 16k keys 60-65 -> 35-42 us a call (alternated in one
-// process); a MagicPIG sample of 1 in 2 rows per head took the same either way.
-template <int64_t kHeads, typename Row>
+// per head), 64 coordinates at a time, by add_weighted_rows: each row read once for all of
+// them, a row added only to the heads that sampled it. Head by head over the slots each
+// sampled, a row was read again by every head that sampled it: with the keys' pass 16 rows at
+// a time, the window's 1,024 rows of three heads at 16k keys 60-65 -> 35-42 us a call
+// (alternated in one process); a MagicPIG sample of 1 in 2 rows per head took the same either
+// way.
+template <int kHeads, typename Row>
 void sum_values_of_heads(const AttendHead<Row>& a, int64_t g0, int64_t begin, int64_t count, const float* weights,
                          int64_t lanes, Partial& out) {
   for (int64_t i0 = 0; i0 < a.d; i0 += 64) {
@@ -546,15 +547,11 @@ void sum_values_of_heads(const AttendHead<Row>& a, int64_t g0, int64_t begin, in
     __m512 sum[kHeads][4];
     for (auto& head_sum : sum)
       for (auto& s : head_sum) s = _mm512_setzero_ps();
-    for (int64_t c = 0; c < count; ++c) {
+    add_weighted_rows<kHeads, 4, /*kSkipUnweighted=*/true>(sum, count, weights + g0 * lanes, lanes,
+                                                           [&](int64_t c, __m512 (&row)[4]) {
       const Row* v = a.values + row_at(a, begin + c) + i0;
-      const __m512 row[4] = {load16(v, part[0]), load16(v + 16, part[1]), load16(v + 32, part[2]), load16(v + 48, part[3])};
-      for (int64_t h = 0; h < kHeads; ++h) {
-        const __m512 p = _mm512_set1_ps(weights[(g0 + h) * lanes + c]);
-        const __mmask16 sampled = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
-        for (int u = 0; u < 4; ++u) sum[h][u] = _mm512_mask3_fmadd_ps(p, row[u], sum[h][u], sampled);
-      }
-    }
+      for (int u = 0; u < 4; ++u) row[u] = load16(v + 16 * u, part[u]);
+    });
     for (int64_t h = 0; h < kHeads; ++h)
       for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(out.o.data() + (g0 + h) * a.d + i0 + 16 * u, part[u], sum[h][u]);
   }

@@ -1,8 +1,8 @@
 // What jaxkv's CPU kernels share: a cache-line prefetch, the lanes of a vector in use, the
 // sums of 16 vectors' lanes at once, the batch size of an FFI buffer's leading axes, a
 // bfloat16's float32 value, key and value rows widened in registers, softmax weights by
-// libmvec's exp, and work split over XLA's intra-op thread pool. Included by every kernel
-// source of the library.
+// libmvec's exp, weighted sums of value rows, and work split over XLA's intra-op thread pool.
+// Included by every kernel source of the library.
 #pragma once
 
 #include <immintrin.h>
@@ -95,6 +95,30 @@ inline bool rows_supported(const ffi::AnyBuffer& keys, const ffi::AnyBuffer& val
 inline __m512 exp_or_zero(__m512 x) {
   const __mmask16 weighed = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
   return _mm512_maskz_mov_ps(weighed, _ZGVeN16v_expf(_mm512_maskz_mov_ps(weighed, x)));
+}
+
+// Adds weight × value row over `count` rows to the sums of kN query heads, 16 * kV
+// coordinates of each row: each row loaded once for all kN heads, their kN × kV sums in
+// registers from row to row (the dense kernel's blocks of rows, the sparse kernels' scattered
+// ones). load_row(j, row) puts row j's coordinates in row[kV]; head g's weight of row j is
+// weight[g * stride + j]. With kSkipUnweighted a row adds only to the heads whose weight is
+// not 0: a row no head sampled may hold anything, NaN included.
+template <int kN, int kV, bool kSkipUnweighted, typename LoadRow>
+inline void add_weighted_rows(__m512 (&sum)[kN][kV], int64_t count, const float* weight, int64_t stride,
+                              const LoadRow& load_row) {
+  for (int64_t j = 0; j < count; ++j) {
+    __m512 row[kV];
+    load_row(j, row);
+    for (int g = 0; g < kN; ++g) {
+      const __m512 p = _mm512_set1_ps(weight[g * stride + j]);
+      if constexpr (kSkipUnweighted) {
+        const __mmask16 weighed = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        for (int u = 0; u < kV; ++u) sum[g][u] = _mm512_mask3_fmadd_ps(p, row[u], sum[g][u], weighed);
+      } else {
+        for (int u = 0; u < kV; ++u) sum[g][u] = _mm512_fmadd_ps(p, row[u], sum[g][u]);
+      }
+    }
+  }
 }
 
 // The number of elements of dims[begin, end) (the batch of a buffer's leading axes).
