@@ -161,8 +161,11 @@ void block_scores(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, flo
 // the kN x kV sums in registers (add_weighted_rows). Whole rows per pass keep the rows a stream
 // of contiguous lines: over Llama's heads (d = 128) two passes over half rows took 1.5x the
 // streamed read of the cache, one pass over whole rows per pair of heads 1.4x
-// (docs/results/performance.md, seventh session). The block's first pass (fetch_ahead) fetches the rows kValuesAheadBytes ahead; the
-// later passes find the block's rows in L2.
+// (docs/results/performance.md, seventh session). The block's first pass (fetch_ahead) fetches
+// the rows kValuesAheadBytes ahead; the later passes find the block's rows in L2. That fetch is
+// in load_row, a lambda: GCC 12 kept it there (one prefetch loop in each compiled
+// add_value_rows, as before the lambda), though it dropped every prefetch of a lambda in
+// pariskv_cpu.cc's rerank: check the object code when changing it.
 template <int kN, int kV, typename Row>
 void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, const float* weight, Partial& out,
                     bool fetch_ahead) {
