@@ -41,15 +41,22 @@ import numpy as np
 
 def methods(native: bool = False) -> dict:
     """row name → (generate()'s method, its config); with native, dense, MagicPIG and ParisKV
-    in jaxkv.native's CPU kernels as three more rows (MagicPIG's dense layers in the dense kernel)."""
+    in jaxkv.native's CPU kernels as three more rows (MagicPIG's dense layers in the dense kernel),
+    each where this CPU has its kernels (an AVX2 CPU: ParisKV's selection alone)."""
+    from jaxkv import native as kernels
     from jaxkv.attention import dense, magicpig, pariskv
 
     rows = {"dense": ("dense", None), "magicpig": ("magicpig", magicpig.MagicPIGConfig()),
             "pariskv": ("pariskv", pariskv.ParisKVConfig())}
     if native:
-        rows["dense-native"] = ("dense", dense.DenseConfig(kernels="native"))
-        rows["magicpig-native"] = ("magicpig", magicpig.MagicPIGConfig(kernels="native"))
-        rows["pariskv-native"] = ("pariskv", pariskv.ParisKVConfig(kernels="native"))
+        wanted = {"dense-native": (("dense", dense.DenseConfig(kernels="native")), ("jaxkv_dense_decode",)),
+                  "magicpig-native": (("magicpig", magicpig.MagicPIGConfig(kernels="native")), tuple(kernels.TARGETS)),
+                  "pariskv-native": (("pariskv", pariskv.ParisKVConfig(kernels="native")), kernels.AVX2_TARGETS)}
+        for name, (row, targets) in wanted.items():
+            if kernels.available(*targets):
+                rows[name] = row
+            else:
+                print(f"{name} not run: {kernels.unavailable_reason(*targets)}", flush=True)
     return rows
 
 

@@ -610,8 +610,12 @@ class Backend:
     @property
     def attention(self):
         # Dense layers' decode steps go to the CPU kernel when the config asks for the
-        # native kernels (DenseConfig, or a sparse method's config for its dense layers).
-        dense_layer = dense.cached_attention(getattr(self.method_config, "kernels", None) == "native")
+        # native kernels (DenseConfig; a sparse method's config for its dense layers, where
+        # that kernel is built: ParisKV's selection alone is, on an AVX2 CPU).
+        native_kernels = getattr(self.method_config, "kernels", None) == "native"
+        if self.method != "dense":
+            native_kernels = native_kernels and native.available("jaxkv_dense_decode")
+        dense_layer = dense.cached_attention(native_kernels)
         if self.method == "dense":
             return (dense_layer,) * self.num_layers
         sparse = functools.partial(region_attention, method=method_module(self.method),

@@ -175,4 +175,4 @@ def _native_kernel_usable() -> bool:
     if jax.default_backend() != "cpu":
         return False
     from jaxkv import native
-    return native.available()
+    return native.available("jaxkv_quantized_matmul")

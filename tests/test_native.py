@@ -24,7 +24,11 @@ from jaxkv.cache import HOST, CacheConfig
 from tests.test_generate import _prompts
 from tests.test_kernels_end_to_end import one_layer  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
+# ParisKV's selection (native.AVX2_TARGETS) is built on an AVX2 CPU too, every other kernel
+# only with AVX-512: the tests of those are marked all_kernels.
+pytestmark = pytest.mark.skipif(not native.available(*native.AVX2_TARGETS),
+                                reason=str(native.unavailable_reason(*native.AVX2_TARGETS)))
+all_kernels = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
 
 SCORE_RTOL = 1e-5
 CFG = pariskv.ParisKVConfig(top_k=40, kernels="native")
@@ -189,6 +193,7 @@ def _assert_attends_in_place(attend_in_place, index, q, keys, values, sel, want)
 # n = 30 < 40 leaves slots past the valid keys masked out. The queries at 0.3 of the keys'
 # scale spread the weights over most selected rows (exp of their entropy: 11-32 rows of
 # 40, 248-405 of 600), so that a dropped or doubled row shows.
+@all_kernels
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("top_k, n", [(40, 2900), (600, 2900), (40, 30)])
 def test_native_pariskv_attends_its_rows_in_place(d, top_k, n):
@@ -207,6 +212,7 @@ def test_native_pariskv_attends_its_rows_in_place(d, top_k, n):
 # The window is a ring of W + U = 300 slots (two of the kernel's 256-slot blocks): full,
 # wrapped at slot 7, partly filled and wrapped (its unused slots hold keys that must not
 # count), and holding one row; a bfloat16 cache's window too.
+@all_kernels
 @pytest.mark.parametrize("win_start, win_len, dtype", [(0, 300, jnp.float32), (7, 300, jnp.float32),
                                                      (250, 120, jnp.float32), (299, 1, jnp.float32),
                                                      (7, 300, jnp.bfloat16), (250, 120, jnp.bfloat16)])
@@ -234,6 +240,7 @@ def test_native_window_partial_is_the_xla_partial(win_start, win_len, dtype):
 # d = 64 and 128 (whole 16-lane vectors), 24 and 80 (a vector's lanes in part: the
 # products' masked tails at 24, the value sums' at both); 600 selected rows: three of the
 # kernel's 256-slot blocks.
+@all_kernels
 @pytest.mark.parametrize("d", [64, 128, 24, 80])
 def test_native_attention_reads_bfloat16_rows_as_their_float32_values(d):
     heads, cap, count = 3, 2000, 600
@@ -266,6 +273,7 @@ def test_native_attention_reads_bfloat16_rows_as_their_float32_values(d):
 # 4, 5 and 7 (a group of four, then the rest), with d's masked tails (24, 80). Every tenth
 # slot no head sampled, and its rows are NaN: a row adds only to the heads that sampled it,
 # so the partial is the one of the rows with those zeroed.
+@all_kernels
 @pytest.mark.parametrize("g, d", [(1, 64), (2, 24), (4, 128), (5, 80), (7, 64)])
 def test_native_attend_rows_for_any_number_of_query_heads(g, d):
     cap, count = 2000, 600
@@ -287,6 +295,7 @@ def test_native_attend_rows_for_any_number_of_query_heads(g, d):
     _assert_partials_close(common.Partial(*got), want)
 
 
+@all_kernels
 def test_native_attention_refuses_other_row_types():
     q, idx, mask = _keys(45, (2, 64)), jnp.arange(8, dtype=jnp.int32), jnp.ones((2, 8), bool)
     rows = _keys(46, (16, 64))
@@ -314,20 +323,21 @@ def test_native_mode_is_validated():
 
 @pytest.mark.parametrize("method, mcfg", [
     ("pariskv", pariskv.ParisKVConfig(top_k=12, sink=2, local=4, buffer=3)),
-    ("magicpig", magicpig.MagicPIGConfig(K=4, L=8, sink=2, local=4, dense_layers=(), capacity=0.5,
-                                         candidate_capacity=1.0))])
+    pytest.param("magicpig", magicpig.MagicPIGConfig(K=4, L=8, sink=2, local=4, dense_layers=(), capacity=0.5,
+                                                     candidate_capacity=1.0), marks=all_kernels)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer, method, mcfg, dtype):  # noqa: F811
     """A sparse layer with no dense fallback: 24 keys in retrieval, the buffer (U = 3)
     flushed into the index three times in 9 steps (MagicPIG's merge in the kernel, its id
     lists on the device; on the XLA path in host memory); the tiny model's d = 16 is P = 16.
     A bfloat16 model's cache is bfloat16, its retrieval rows kept as bits: the kernels read
-    them in place."""
+    them in place (on an AVX2 CPU ParisKV's rows are gathered and attended in XLA: no
+    attention kernel there)."""
     config, params = one_layer
     params = models.cast_params(params, dtype)
     module = {"pariskv": pariskv, "magicpig": magicpig}[method]
     assert module.reads_rows_in_place(dataclasses.replace(mcfg, kernels="native"),
-                                      models.stored_rows(jnp.zeros((1, 16), dtype)))
+                                      models.stored_rows(jnp.zeros((1, 16), dtype))) == native.available()
     prompt = _prompts([30], seed=11)
     cache = CacheConfig(sink=2, local=4, buffer=3, dense_threshold=0)
     tokens = {}
@@ -361,6 +371,7 @@ DENSE_RTOL = 1e-5
 # query heads, then the rest, and G = 7 with d = 80 leaves a pass of one head; S crosses the
 # 512-key blocks and the 2048-key chunks, and the positions stop mid-block; batch rows see
 # different prefixes.
+@all_kernels
 @pytest.mark.parametrize("hkv, g, d", [(3, 3, 64), (2, 4, 128), (1, 5, 24), (2, 7, 80), (2, 1, 16), (1, 3, 288)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_native_dense_decode_is_prefix_causal_attention(hkv, g, d, dtype):
@@ -374,6 +385,7 @@ def test_native_dense_decode_is_prefix_causal_attention(hkv, g, d, dtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=DENSE_RTOL * float(jnp.abs(want).max()))
 
 
+@all_kernels
 def test_native_dense_decode_of_a_bfloat16_cache_s_bits_is_that_of_its_rows():
     """A bfloat16 models.KVCache holds its rows' bits (uint16): the kernel reads them as the rows."""
     q, keys, values = _dense_layer(64, 2, 2, 3, 64, 700, jnp.bfloat16)
@@ -382,6 +394,7 @@ def test_native_dense_decode_of_a_bfloat16_cache_s_bits_is_that_of_its_rows():
     np.testing.assert_array_equal(from_bits, native.dense_decode(qg, keys, values, visible))
 
 
+@all_kernels
 def test_native_dense_decode_reads_no_key_past_the_position():
     """Keys and values past each row's position are NaN: the output is that of the cache cut at
     the position, so they were not read; a position past the cache sees all of it."""
@@ -397,6 +410,7 @@ def test_native_dense_decode_reads_no_key_past_the_position():
     np.testing.assert_array_equal(got[1, 0].reshape(2, 3, 64), jnp.repeat(values[1, :, 0][:, None], 3, axis=1))
 
 
+@all_kernels
 def test_native_dense_decode_of_no_key_is_zero_and_vmaps():
     q, keys, values = _dense_layer(62, 2, 2, 2, 32, 300, jnp.float32)
     qg = q.reshape(2, 2, 2, 32)
@@ -406,6 +420,7 @@ def test_native_dense_decode_of_no_key_is_zero_and_vmaps():
     np.testing.assert_array_equal(vmapped, jnp.stack(one_by_one))
 
 
+@all_kernels
 def test_native_dense_decode_refuses_other_layouts():
     q, keys, values = _dense_layer(63, 1, 2, 3, 64, 100, jnp.float32)
     qg = q.reshape(1, 2, 3, 64)
@@ -417,6 +432,7 @@ def test_native_dense_decode_refuses_other_layouts():
         dense.DenseConfig(kernels="auto")
 
 
+@all_kernels
 def test_dense_layers_attend_in_the_kernel_when_the_config_asks_for_native_kernels(one_layer):  # noqa: F811
     config = dataclasses.replace(one_layer[0], num_layers=3)
 
@@ -432,6 +448,7 @@ def test_dense_layers_attend_in_the_kernel_when_the_config_asks_for_native_kerne
     assert uses_kernel("magicpig", layers_0_2) == [False] * 3
 
 
+@all_kernels
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_generate_with_the_native_dense_kernel_gives_the_xla_tokens(one_layer, dtype):  # noqa: F811
     """Two prompts of different lengths (each row's keys up to its own position), 9 steps."""
@@ -473,6 +490,7 @@ def _magicpig_selects(cfgs, index, q):
 # capacities overflowing: a sample capacity below the union (truncated, lowest ids kept)
 # and a candidate capacity that stops heads after a few tables (tables_used < L); other
 # hit thresholds and code widths.
+@all_kernels
 @pytest.mark.parametrize("changes, truncated, stops_early", [
     ({}, False, False), ({"capacity": 40}, True, False), ({"K": 8, "candidate_capacity": 0.05}, False, True),
     ({"min_hits": 1, "K": 6, "L": 20, "capacity": 1.0}, False, False),
@@ -503,6 +521,7 @@ def test_native_magicpig_sample_equals_the_xla_path(changes, truncated, stops_ea
 SIGN_MARGIN = 2 * 64 * 2.0**-24
 
 
+@all_kernels
 @pytest.mark.parametrize("own_projection", [False, True])
 @pytest.mark.parametrize("changes, tables_read", [
     ({}, "all"), ({"K": 8, "candidate_capacity": 0.05}, "some"), ({"K": 4, "L": 40}, "some"),
@@ -549,6 +568,7 @@ def _magicpig_inserts(cfgs, index, keys_new, count):
 
 
 # All U new keys, some, none, and more than the capacity leaves room for (dropped).
+@all_kernels
 @pytest.mark.parametrize("n, count", [(2000, 64), (2000, 17), (2000, 0), (2980, 64)])
 def test_native_magicpig_merge_equals_the_xla_path(n, count):
     heads, cap, d = 2, 3000, 64
@@ -569,6 +589,7 @@ def test_native_magicpig_merge_equals_the_xla_path(n, count):
     np.testing.assert_array_equal(merged_n.bucket_starts, rebuilt.bucket_starts)
 
 
+@all_kernels
 def test_native_magicpig_flush_rewrites_the_id_lists_in_place():
     """The cache's flush, compiled with the state donated, writes no new id list: no XLA op
     (copy, fusion) produces an array of their shape, only the merge's in-place call. Before
@@ -589,6 +610,7 @@ def test_native_magicpig_flush_rewrites_the_id_lists_in_place():
     assert writers and not writers & {"copy", "fusion"}, writers
 
 
+@all_kernels
 def test_native_magicpig_is_validated():
     assert MAGICPIG.uses_native() and not MAGICPIG.uses_kernels()
     assert magicpig.host_index_fields(MAGICPIG) == () and magicpig.host_index_fields(magicpig.MagicPIGConfig())
@@ -616,6 +638,7 @@ def _gathered_partial(cfg, index, q, keys, values, selection):
 # over several of the kernel's 256-slot blocks (their partials merged). The queries lean
 # towards a few keys, so most sampled rows weigh little; the last case scales them down
 # until the weights are nearly flat and every sampled row moves the sums by ~1/its count.
+@all_kernels
 @pytest.mark.parametrize("changes, d, q_scale", [
     ({}, 64, 1.0), ({}, 128, 1.0), ({"capacity": 40}, 64, 1.0), ({"K": 8, "candidate_capacity": 0.05}, 64, 1.0),
     ({"min_hits": 3, "K": 6, "L": 40, "capacity": 1.0}, 64, 1.0),
@@ -634,6 +657,7 @@ def test_native_magicpig_attend_equals_gather_and_correct(changes, d, q_scale):
     _assert_attends_in_place(functools.partial(magicpig.attend_in_place, cfg), index, q, keys, values, sel, want)
 
 
+@all_kernels
 @pytest.mark.parametrize("tables", [150, 7])
 def test_native_magicpig_correction_over_every_angle(tables):
     """Rows at 64 angles to the query, from cos θ = 1 to −1 (u from 1 to 0, both branches of
@@ -662,6 +686,7 @@ def test_native_magicpig_correction_over_every_angle(tables):
     assert float(want[-1]) > 0.99  # cos θ = −1: u at its floor, the weight all on it
 
 
+@all_kernels
 def test_native_magicpig_attend_of_an_empty_sample():
     keys = _keys(16, (100, 64))
     o, l, m = native.magicpig_attend(_keys(17, (3, 64)), keys, keys, keys[0], jnp.zeros((50,), jnp.int32),

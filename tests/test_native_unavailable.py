@@ -13,10 +13,10 @@ def cpu_without(monkeypatch):
     def lacking(flag: str) -> None:
         others = " ".join(f for f in native.REQUIRED_CPU_FLAGS if f != flag)
         monkeypatch.setattr(native, "_cpu_flags", lambda: f"flags\t\t: fpu sse2 avx2 {others}")
-        native.unavailable_reason.cache_clear()
+        native._registration.cache_clear()
     yield lacking
     monkeypatch.undo()
-    native.unavailable_reason.cache_clear()  # decided again for this CPU (the kernels re-registered)
+    native._registration.cache_clear()  # decided again for this CPU (the kernels re-registered)
 
 
 @pytest.mark.parametrize("flag", native.REQUIRED_CPU_FLAGS)
@@ -40,10 +40,37 @@ def test_a_failed_build_reports_the_compiler_errors_not_its_warnings(tmp_path, m
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("JAXKV_NATIVE_CACHE", str(tmp_path / "cache"))
-    native.unavailable_reason.cache_clear()
+    native._registration.cache_clear()
     try:
         reason = native.unavailable_reason()
     finally:
         monkeypatch.undo()
-        native.unavailable_reason.cache_clear()
+        native._registration.cache_clear()
     assert reason.endswith("failed:\ndense_cpu.cc:129:22: error: cannot convert 'const float*'"), reason
+
+
+def test_an_avx2_cpu_gets_pariskv_s_selection_alone(monkeypatch):
+    """This CPU's flags less every AVX-512 one and GFNI (on an AVX2 CPU, its own flags): the
+    library is built for it and only ParisKV's selection registered; the other kernels refuse
+    with the flags they lack, and ParisKV's native mode attends its rows in XLA."""
+    import jax
+    from jaxkv.attention import pariskv
+    avx512_only = [f for f in native.REQUIRED_CPU_FLAGS if f not in native.AVX2_CPU_FLAGS]
+    flags = [f for f in native._cpu_flags().split() if f not in avx512_only]
+    if not set(native.AVX2_CPU_FLAGS) <= set(flags):
+        pytest.skip(f"this CPU lacks one of {native.AVX2_CPU_FLAGS}")
+    monkeypatch.setattr(native, "_cpu_flags", lambda: " ".join(flags))
+    native._registration.cache_clear()
+    try:
+        assert native.available(*native.AVX2_TARGETS) and not native.available()
+        assert native.unavailable_reason("jaxkv_attend_rows").endswith(f"without {', '.join(avx512_only)}")
+        values = jnp.asarray([3.0, -1.0, 3.0, 7.0, 0.5])
+        assert native.top_k(values, 3).tolist() == jax.lax.top_k(values, 3)[1].tolist()
+        with pytest.raises(native.NativeUnavailable, match="without"):
+            native.dense_decode(jnp.zeros((1, 1, 16)), jnp.zeros((1, 16, 4)), jnp.zeros((1, 4, 16)), jnp.int32(4))
+        assert not pariskv.reads_rows_in_place(pariskv.ParisKVConfig(kernels="native"), jnp.zeros((4, 16)))
+        with pytest.raises(ValueError, match="unknown jaxkv.native kernels"):
+            native.available("jaxkv_no_such_kernel")
+    finally:
+        monkeypatch.undo()
+        native._registration.cache_clear()

@@ -62,7 +62,8 @@ class ParisKVConfig:
     "pallas" (always, compiled) or "interpret" (always, Pallas interpret mode)
     for the coarse vote, the rerank and the cache's gather-attention; "native":
     the coarse vote, the rerank and the final top-k in ``jaxkv.native``'s CPU
-    kernels (m = 8, d ≤ 128, a CPU with AVX-512 VBMI and VBMI2 and a C++ compiler), the rest in XLA.
+    kernels (m = 8, d ≤ 128, a CPU with AVX-512 VBMI and VBMI2, or AVX2, and a C++ compiler),
+    and the attention over the top-k rows too where its kernel is built (AVX-512), the rest in XLA.
     """
 
     m: int = 8
@@ -465,9 +466,10 @@ def correction(cfg, index, q, k_rows, selection):
 
 
 def reads_rows_in_place(cfg: ParisKVConfig, keys: jax.Array) -> bool:
-    """Whether :func:`attend_in_place` serves this config and region: the CPU kernels, rows in
-    float32, bfloat16 or bfloat16 bits (``jaxkv.native.ROW_DTYPES``)."""
-    return cfg.uses_native() and keys.dtype in native.ROW_DTYPES
+    """Whether :func:`attend_in_place` serves this config and region: the CPU kernels, their
+    attention kernel built (not on an AVX2 CPU, where the rows are gathered and attended in
+    XLA), rows in float32, bfloat16 or bfloat16 bits (``jaxkv.native.ROW_DTYPES``)."""
+    return cfg.uses_native() and keys.dtype in native.ROW_DTYPES and native.available("jaxkv_attend_rows")
 
 
 def attend_in_place(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, keys: jax.Array, values: jax.Array,

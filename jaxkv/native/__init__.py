@@ -6,9 +6,11 @@ FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 w
 BMI2 and GFNI) and linked with glibc's vector math (libmvec, glibc 2.35 or later), cached
 under ``$JAXKV_NATIVE_CACHE`` (default ``~/.cache/jaxkv/native``) by a digest of the
 sources, the compiler command and this CPU, and registered with ``jax.ffi`` for the CPU
-platform. :func:`available` says whether that worked, :func:`unavailable_reason` why not;
+platform. On a CPU with AVX2, FMA and BMI2 but not those, only ParisKV's selection
+(``AVX2_TARGETS``: coarse stage, rerank, final top-k) is built, in its AVX2 form.
+:func:`available` says whether kernels are registered, :func:`unavailable_reason` why not;
 ``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank, final top-k and
-the attention over its rows in them; ``MagicPIGConfig(kernels="native")`` MagicPIG's
+(where the attention kernel is built) the attention over its rows in them; ``MagicPIGConfig(kernels="native")`` MagicPIG's
 query hash and bucket lookups, its sampling (which keys collide), the attention over the
 sample with its correction, and the insertion's merge; ``DenseConfig(kernels="native")``
 the attention of a dense layer's decode step; ``weights_cpu.cc`` the products
@@ -39,6 +41,9 @@ TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "Par
            "jaxkv_attend_rows": "AttendRows", "jaxkv_quantized_matmul": "QuantizedMatmul",
            "jaxkv_dense_decode": "DenseDecode"}
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "avx512_vbmi2", "bmi2", "gfni")  # byte permutes and compresses, bit deposits, bit transposes
+# Without REQUIRED_CPU_FLAGS, ParisKV's selection alone, in its AVX2 form (pariskv_cpu.cc).
+AVX2_CPU_FLAGS = ("avx2", "fma", "bmi2", "popcnt")
+AVX2_TARGETS = ("jaxkv_pariskv_coarse", "jaxkv_pariskv_rerank", "jaxkv_top_k")
 # K and V rows the attention kernels read in place (widened in registers): float32, bfloat16,
 # or uint16 holding bfloat16 bits (how jaxkv.cache stores a bfloat16 retrieval region).
 ROW_DTYPES = (jnp.float32, jnp.bfloat16, jnp.uint16)
@@ -96,39 +101,63 @@ def _compiler_errors(stderr: str, limit: int = 2000) -> str:
     return ("\n".join(errors) if errors else stderr)[-limit:]
 
 
-def _register() -> None:
+def _missing_flags_reason() -> str | None:
+    """Why some kernels are not built on this CPU (None on one with REQUIRED_CPU_FLAGS)."""
     flags = _cpu_flags().split()
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
-    if platform.machine() not in ("x86_64", "AMD64") or missing:
-        lacks = f"without {', '.join(missing)}" if missing else "not x86-64"
-        raise NativeUnavailable(f"the CPU kernels need an x86-64 CPU with {', '.join(REQUIRED_CPU_FLAGS)}; "
-                                f"this one is {platform.machine()}, {lacks}")
+    if platform.machine() in ("x86_64", "AMD64") and not missing:
+        return None
+    lacks = f"without {', '.join(missing)}" if missing else "not x86-64"
+    return (f"the CPU kernels need an x86-64 CPU with {', '.join(REQUIRED_CPU_FLAGS)}; "
+            f"this one is {platform.machine()}, {lacks}")
+
+
+def _register() -> frozenset[str]:
+    """Builds (or finds) the library for this CPU and registers its kernels: all of them, or
+    AVX2_TARGETS on an AVX2 CPU. Raises NativeUnavailable where none can be had."""
+    reason = _missing_flags_reason()
+    avx2 = platform.machine() in ("x86_64", "AMD64") and all(f in _cpu_flags().split() for f in AVX2_CPU_FLAGS)
+    if reason is not None and not avx2:
+        raise NativeUnavailable(reason)
+    targets = TARGETS if reason is None else {t: TARGETS[t] for t in AVX2_TARGETS}
     library = ctypes.cdll.LoadLibrary(str(_library_path()))
-    for target, symbol in TARGETS.items():
+    for target, symbol in targets.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return frozenset(targets)
 
 
 @functools.cache
-def unavailable_reason() -> str | None:
-    """None once the kernels are registered (building them if needed), else why not: the
-    CPU flags missing or the compiler's error. Decided once per process, so a failed build
-    is not retried (seconds of compiling) on every call."""
+def _registration() -> tuple[frozenset[str], str | None]:
+    """(the kernels registered, why the others are not): decided once per process, so a failed
+    build is not retried (seconds of compiling) on every call."""
     try:
-        _register()
+        registered = _register()
     except NativeUnavailable as error:
-        return str(error)
-    return None
+        return frozenset(), str(error)
+    return registered, _missing_flags_reason() if registered != set(TARGETS) else None
 
 
-def _load() -> None:
-    reason = unavailable_reason()
+def unavailable_reason(*targets: str) -> str | None:
+    """None once the kernels ``targets`` (FFI target names; default: every kernel) are
+    registered, building them if needed; else why not: the CPU flags missing or the
+    compiler's error."""
+    unknown = set(targets) - set(TARGETS)
+    if unknown:
+        raise ValueError(f"unknown jaxkv.native kernels {sorted(unknown)}; they are {sorted(TARGETS)}")
+    registered, reason = _registration()
+    return None if registered.issuperset(targets or TARGETS) else reason
+
+
+def _load(target: str) -> None:
+    reason = unavailable_reason(target)
     if reason is not None:
         raise NativeUnavailable(reason)
 
 
-def available() -> bool:
-    """Whether the CPU kernels are built and registered (building them if needed)."""
-    return unavailable_reason() is None
+def available(*targets: str) -> bool:
+    """Whether the kernels ``targets`` (default: every kernel) are built and registered
+    (building them if needed)."""
+    return unavailable_reason(*targets) is None
 
 
 def coarse_rows(signs: jax.Array, scores: jax.Array, bucket_counts: jax.Array, caps: jax.Array, n,
@@ -141,7 +170,7 @@ def coarse_rows(signs: jax.Array, scores: jax.Array, bucket_counts: jax.Array, c
     n [...] the valid rows. Leading axes are batch axes (here and in every function of this
     module).
     """
-    _load()
+    _load("jaxkv_pariskv_coarse")
     batch = signs.shape[:-2]
     call = jax.ffi.ffi_call("jaxkv_pariskv_coarse", jax.ShapeDtypeStruct((*batch, count), jnp.int32),
                             vmap_method="broadcast_all")
@@ -158,7 +187,7 @@ def rerank(codes, q_rot: jax.Array, q_norm, centres, rows: jax.Array) -> jax.Arr
     if p not in (16, 32, 64, 128) or codes.signs.shape[-1] * 8 != p:
         raise ValueError(f"jaxkv.native's rerank needs m = 8 and a padded dimension P in (16, 32, 64, 128), "
                          f"got P = {p} with {codes.signs.shape[-1]} sign bytes per key")
-    _load()
+    _load("jaxkv_pariskv_rerank")
     call = jax.ffi.ffi_call("jaxkv_pariskv_rerank", jax.ShapeDtypeStruct(rows.shape, jnp.float32),
                             vmap_method="broadcast_all")
     batch = codes.signs.shape[:-2]
@@ -171,7 +200,7 @@ def top_k(values: jax.Array, k: int) -> jax.Array:
     """Positions [..., k] of the k largest of values [..., C] (float32, no NaN), largest
     first, ties to the lower position: ``lax.top_k(values, k)[1]``, the values first cut to
     those within a bound from a sample of them (to all of them when fewer than k pass)."""
-    _load()
+    _load("jaxkv_top_k")
     if not 1 <= k <= values.shape[-1]:
         raise ValueError(f"top_k: need 1 <= k <= {values.shape[-1]}, got k = {k}")
     call = jax.ffi.ffi_call("jaxkv_top_k", jax.ShapeDtypeStruct((*values.shape[:-1], k), jnp.int32),
@@ -189,7 +218,7 @@ def magicpig_query_buckets(q: jax.Array, projection: jax.Array, bucket_starts: j
     terms are summed in another order than XLA's: a product within rounding of 0 may take
     the other sign.
     """
-    _load()
+    _load("jaxkv_magicpig_query_buckets")
     heads = q.shape[:-1]
     call = jax.ffi.ffi_call(
         "jaxkv_magicpig_query_buckets",
@@ -216,7 +245,7 @@ def magicpig_collide(sorted_ids: jax.Array, bucket_starts: jax.Array, codes: jax
     heads, ascending, 0 past it; mask bool [..., G, capacity]: head g sampled idx[c];
     n_sampled int32 [..., G]; n_union int32 [...], the union's size before the capacity).
     """
-    _load()
+    _load("jaxkv_magicpig_collide")
     batch, heads = sorted_ids.shape[:-2], codes.shape[-2]
     call = jax.ffi.ffi_call(
         "jaxkv_magicpig_collide",
@@ -233,7 +262,7 @@ def magicpig_merge(sorted_ids: jax.Array, bucket_starts: jax.Array, new_codes: j
     new_codes int32 [..., U, L]: the codes of new keys n, n+1, ... (2^K for a row not
     inserted). The new keys must fit in the id lists (refused otherwise).
     """
-    _load()
+    _load("jaxkv_magicpig_merge")
     call = jax.ffi.ffi_call(
         "jaxkv_magicpig_merge",
         (jax.ShapeDtypeStruct(sorted_ids.shape, jnp.int32), jax.ShapeDtypeStruct(bucket_starts.shape, jnp.int32)),
@@ -256,7 +285,7 @@ def attend_rows(q: jax.Array, keys: jax.Array, values: jax.Array, idx: jax.Array
     ``common.partial_attention`` over the gathered rows, up to float32 rounding, with no copy
     of them.
     """
-    _load()
+    _load("jaxkv_attend_rows")
     call = jax.ffi.ffi_call("jaxkv_attend_rows", _partial_shapes(q), vmap_method="broadcast_all")
     return call(q.astype(jnp.float32), keys, values, idx.astype(jnp.int32), mask,
                 masked_score=np.float32(masked_score))
@@ -272,7 +301,7 @@ def magicpig_attend(q: jax.Array, keys: jax.Array, values: jax.Array, mu: jax.Ar
     of the cosine between q_g and the row − mu [..., d] over tables_used [..., G] tables.
     ``common.partial_attention``'s result up to float32 rounding.
     """
-    _load()
+    _load("jaxkv_magicpig_attend")
     call = jax.ffi.ffi_call("jaxkv_magicpig_attend", _partial_shapes(q), vmap_method="broadcast_all")
     return call(q.astype(jnp.float32), keys, values, mu.astype(jnp.float32), idx.astype(jnp.int32), mask,
                 tables_used.astype(jnp.int32), k_bits=np.int64(K), min_hits=np.int64(min_hits),
@@ -294,7 +323,7 @@ def dense_decode(q: jax.Array, keys: jax.Array, values: jax.Array, visible) -> j
     if keys.shape != (*lead, h, d, s) or values.shape != (*lead, h, s, d):
         raise ValueError(f"dense_decode: q {q.shape} needs keys [..., {h}, {d}, S] and values [..., {h}, S, {d}] "
                          f"with its leading axes, got {keys.shape} and {values.shape}")
-    _load()
+    _load("jaxkv_dense_decode")
     call = jax.ffi.ffi_call("jaxkv_dense_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="broadcast_all")
     return call(q.astype(jnp.float32), keys, values, jnp.broadcast_to(jnp.asarray(visible, jnp.int32), lead))
@@ -304,7 +333,7 @@ def quantized_matmul(x: jax.Array, blocks: jax.Array, *, q4_1: bool) -> jax.Arra
     """x float32 [..., M, K] times the [N, K] matrix whose GGUF blocks (Q4_1 if ``q4_1``,
     else Q8_0) are blocks uint8 [..., N, K/32 · block bytes]: float32 [..., M, N], the
     blocks expanded in registers. The dequantised matrix's sums up to float32 rounding."""
-    _load()
+    _load("jaxkv_quantized_matmul")
     call = jax.ffi.ffi_call("jaxkv_quantized_matmul",
                             jax.ShapeDtypeStruct((*x.shape[:-1], blocks.shape[-2]), jnp.float32),
                             vmap_method="broadcast_all")

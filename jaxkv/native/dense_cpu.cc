@@ -23,6 +23,8 @@
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
+#ifdef JAXKV_AVX512  // nothing of this file is built for AVX2 only (parallel.h)
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -348,3 +350,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DenseDecode, dense_decode,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+#endif  // JAXKV_AVX512

@@ -32,6 +32,8 @@
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
+#ifdef JAXKV_AVX512  // nothing of this file is built for AVX2 only (parallel.h)
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -849,3 +851,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttendRows, attend_rows,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+#endif  // JAXKV_AVX512

@@ -3,7 +3,16 @@
 // bfloat16's float32 value, key and value rows widened in registers, softmax weights by
 // libmvec's exp, weighted sums of value rows, and work split over XLA's intra-op thread pool.
 // Included by every kernel source of the library.
+//
+// JAXKV_AVX512: the compiler targets AVX-512 (F, BW, VBMI, VBMI2), GFNI and BMI2, which every
+// kernel is written for. Without them (an AVX2 CPU) only ParisKV's selection is built, in its
+// AVX2 form (pariskv_cpu.cc); jaxkv/native/__init__.py registers what was built.
 #pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VBMI2__) && \
+    defined(__GFNI__) && defined(__BMI2__)
+#define JAXKV_AVX512 1
+#endif
 
 #include <immintrin.h>
 
@@ -17,11 +26,13 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#ifdef JAXKV_AVX512
 // glibc's vector math (libmvec): 16 float32 lanes per call, within 4 ulp like its scalar
 // functions and XLA's.
 extern "C" {
 __m512 _ZGVeN16v_expf(__m512);
 }
+#endif
 
 namespace jaxkv_native {
 
@@ -36,10 +47,13 @@ inline void prefetch_lines(const void* begin, const void* end) {
     _mm_prefetch(reinterpret_cast<const char*>(p), kHint);
 }
 
+#ifdef JAXKV_AVX512
 // The lanes of a 16-lane vector that hold the first `remaining` elements (all 16, or none).
 inline __mmask16 lanes_in_use(int64_t remaining) {
   return remaining >= 16 ? __mmask16{0xFFFF} : remaining <= 0 ? __mmask16{0} : static_cast<__mmask16>((1u << remaining) - 1);
 }
+
+#endif  // JAXKV_AVX512
 
 // A bfloat16's float32 value (its bits are the float32's high half).
 inline float bf16_to_f32(uint16_t x) {
@@ -48,6 +62,8 @@ inline float bf16_to_f32(uint16_t x) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+
+#ifdef JAXKV_AVX512
 
 // A key or value row's element: float32, or bfloat16 (its bits the high half of a float32's),
 // widened in registers, so a bfloat16 cache is read in place at half the bytes.
@@ -120,6 +136,8 @@ inline void add_weighted_rows(__m512 (&sum)[kN][kV], int64_t count, const float*
     }
   }
 }
+
+#endif  // JAXKV_AVX512
 
 // The number of elements of dims[begin, end) (the batch of a buffer's leading axes).
 inline int64_t product(ffi::Span<const int64_t> dims, size_t begin, size_t end) {

@@ -13,6 +13,11 @@
 // one 16-entry permute per 16 coordinates its ±centre. Heads and blocks of
 // rows are split over XLA's intra-op thread pool. Every leading axis of the arguments is
 // a batch axis (vmap, broadcast_all).
+//
+// On a CPU without AVX-512 (parallel.h's JAXKV_AVX512 unset) the same three kernels are built
+// from their AVX2 counterparts below (#else of each JAXKV_AVX512): the votes a row at a
+// time from the byte table, the estimate a subspace (8 coordinates) per 8-lane step, the same
+// answers.
 
 #include <immintrin.h>
 
@@ -35,11 +40,13 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxkv_native::bf16_to_f32;
-using jaxkv_native::lanes_in_use;
 using jaxkv_native::parallel_chunks;
 using jaxkv_native::parallel_for;
 using jaxkv_native::product;
+#ifdef JAXKV_AVX512
+using jaxkv_native::lanes_in_use;
 using jaxkv_native::sum_each;
+#endif
 
 constexpr int kPatterns = 256;    // m = 8: a bucket id is one byte
 constexpr int kMagnitudeBits = 3;  // rsq.MAGNITUDE_BITS
@@ -62,6 +69,7 @@ void vote_rows(const uint8_t* signs, int64_t begin, int64_t end, int64_t n_sub, 
   }
 }
 
+#ifdef JAXKV_AVX512
 // table[index[i]] for 64 byte indices, the 256-byte table in four registers: two 128-entry
 // byte permutes and a blend on the index's top bit.
 inline __m512i lookup_bytes(const __m512i (&table)[4], __m512i index) {
@@ -135,11 +143,87 @@ void vote_blocks(const uint8_t* signs, int64_t begin, int64_t end, const VoteTab
   }
 }
 
-// Votes of rows [begin, end), begin a multiple of 64: 64-row blocks by vote_blocks where
-// B allows, the rest row by row.
+constexpr int64_t kBlockRows = 64;  // of vote_blocks
+#else
+// AVX2, B = 8 or 16: 32 rows at a time, their sign bytes transposed so that one register holds
+// subspace b of all 32 rows. AVX2 has no 128-entry byte permute: a byte x is looked up in the
+// 256-byte table as in 16 tables of 16 bytes, that of x's high nibble h by a byte shuffle of
+// x − 16h plus 0x70 (saturated: bit 7, which makes the shuffle give 0, is set unless x's high
+// nibble is h). The rows come out of the transpose in another order, restored once per block.
+template <int kSub>
+struct VoteTableSimd {
+  __m256i part[kSub][16];  // [b][h]: lut[b, 16h … 16h + 15] in both lanes
+  explicit VoteTableSimd(const uint8_t* lut) {
+    for (int b = 0; b < kSub; ++b)
+      for (int h = 0; h < 16; ++h)
+        part[b][h] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut + b * kPatterns + 16 * h)));
+  }
+  __m256i lookup(int b, __m256i x) const {
+    __m256i found = _mm256_setzero_si256();
+    for (int h = 0; h < 16; ++h) {
+      found = _mm256_or_si256(found, _mm256_shuffle_epi8(part[b][h], _mm256_adds_epu8(x, _mm256_set1_epi8(0x70))));
+      x = _mm256_sub_epi8(x, _mm256_set1_epi8(16));
+    }
+    return found;
+  }
+};
+
+// in[k]: qword i = 8 sign bytes of row 4k + i (32 rows); out t[b]: byte i of lane l is subspace
+// b of row 4(i >> 1) + 2l + (i & 1). Each lane's two rows interleaved by a byte shuffle, then
+// words, dwords and qwords of register pairs.
+void transpose_signs(const __m256i in[8], __m256i t[8]) {
+  const __m256i order = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                         0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  __m256i r[8], u[8], w[4], x[4];
+  for (int k = 0; k < 8; ++k) r[k] = _mm256_shuffle_epi8(in[k], order);  // word b: subspace b of the lane's rows
+  for (int k = 0; k < 8; k += 2)  // dword b: of four rows (b < 4, then b >= 4)
+    u[k] = _mm256_unpacklo_epi16(r[k], r[k + 1]), u[k + 1] = _mm256_unpackhi_epi16(r[k], r[k + 1]);
+  for (int i = 0; i < 2; ++i) {  // qword: of eight rows
+    w[2 * i] = _mm256_unpacklo_epi32(u[i], u[i + 2]), w[2 * i + 1] = _mm256_unpackhi_epi32(u[i], u[i + 2]);
+    x[2 * i] = _mm256_unpacklo_epi32(u[i + 4], u[i + 6]), x[2 * i + 1] = _mm256_unpackhi_epi32(u[i + 4], u[i + 6]);
+  }
+  for (int j = 0; j < 4; ++j) t[2 * j] = _mm256_unpacklo_epi64(w[j], x[j]), t[2 * j + 1] = _mm256_unpackhi_epi64(w[j], x[j]);
+}
+
+// transpose_signs's row order back to rows 0 … 31.
+inline __m256i in_row_order(__m256i v) {
+  const __m256i swapped = _mm256_permute2x128_si256(v, v, 1);
+  return _mm256_permute2x128_si256(_mm256_unpacklo_epi16(v, swapped), _mm256_unpackhi_epi16(v, swapped), 0x20);
+}
+
+template <int kSub>
+void vote_blocks(const uint8_t* signs, int64_t begin, int64_t end, const VoteTableSimd<kSub>& table,
+                 uint8_t* votes) {
+  static_assert(kSub == 8 || kSub == 16);
+  const auto at = [&](int64_t row) { return reinterpret_cast<const __m256i*>(signs + row * kSub); };
+  for (int64_t r = begin; r < end; r += 32) {
+    __m256i v = _mm256_set1_epi8(1);
+    for (int half = 0; half < kSub / 8; ++half) {
+      __m256i rows[8], t[8];
+      for (int k = 0; k < 8; ++k) {
+        if constexpr (kSub == 8) {
+          rows[k] = _mm256_loadu_si256(at(r + 4 * k));
+        } else {  // one 8-byte half of each of four rows, from two loads of two rows each
+          const __m256i first = _mm256_loadu_si256(at(r + 4 * k)), second = _mm256_loadu_si256(at(r + 4 * k + 2));
+          rows[k] = _mm256_permute4x64_epi64(
+              half == 0 ? _mm256_unpacklo_epi64(first, second) : _mm256_unpackhi_epi64(first, second), 0xD8);
+        }
+      }
+      transpose_signs(rows, t);
+      for (int j = 0; j < 8; ++j) v = _mm256_add_epi8(v, table.lookup(8 * half + j, t[j]));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(votes + r), in_row_order(v));
+  }
+}
+
+constexpr int64_t kBlockRows = 32;
+#endif
+
+// Votes of rows [begin, end), begin a multiple of kBlockRows: blocks by vote_blocks where B
+// allows, the rest row by row.
 void vote_range(const uint8_t* signs, int64_t begin, int64_t end, int64_t n_sub, const uint8_t* lut,
                 uint8_t* votes) {
-  const int64_t blocks_end = n_sub == 8 || n_sub == 16 ? begin + (end - begin) / 64 * 64 : begin;
+  const int64_t blocks_end = n_sub == 8 || n_sub == 16 ? begin + (end - begin) / kBlockRows * kBlockRows : begin;
   if (n_sub == 8) vote_blocks<8>(signs, begin, blocks_end, VoteTableSimd<8>(lut), votes);
   if (n_sub == 16) vote_blocks<16>(signs, begin, blocks_end, VoteTableSimd<16>(lut), votes);
   vote_rows(signs, blocks_end, end, n_sub, lut, votes);
@@ -151,6 +235,7 @@ __mmask64 first_rows(int64_t rows) { return rows >= 64 ? ~0ull : (1ull << rows) 
 // counts[i]: how many of votes[0, rows) are >= t[i] (kProbes thresholds, one pass).
 constexpr int kProbes = 7;
 using Probes = std::array<int, kProbes>;
+#ifdef JAXKV_AVX512
 std::array<int64_t, kProbes> count_at_least(const uint8_t* votes, int64_t rows, const Probes& t) {
   __m512i threshold[kProbes];
   for (int i = 0; i < kProbes; ++i) threshold[i] = _mm512_set1_epi8(static_cast<char>(t[i]));
@@ -163,6 +248,41 @@ std::array<int64_t, kProbes> count_at_least(const uint8_t* votes, int64_t rows, 
   }
   return total;
 }
+#else
+// Votes [base, base + 64) (zero past `rows`) in two registers.
+struct VoteBlock {
+  __m256i half[2];
+  VoteBlock(const uint8_t* votes, int64_t rows, int64_t base) {
+    alignas(32) uint8_t tail[64] = {};
+    const uint8_t* p = votes + base;
+    if (rows - base < 64) p = static_cast<const uint8_t*>(std::memcpy(tail, p, rows - base));
+    for (int i = 0; i < 2; ++i) half[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
+  }
+  // Bit i: vote base + i is >= t (unsigned); equal to t.
+  uint64_t at_least(int t) const {
+    const __m256i threshold = _mm256_set1_epi8(static_cast<char>(t));
+    return bits([&](__m256i v) { return _mm256_cmpeq_epi8(_mm256_max_epu8(v, threshold), v); });
+  }
+  uint64_t equal(int t) const {
+    const __m256i threshold = _mm256_set1_epi8(static_cast<char>(t));
+    return bits([&](__m256i v) { return _mm256_cmpeq_epi8(v, threshold); });
+  }
+  template <typename Compare>
+  uint64_t bits(const Compare& compare) const {
+    return static_cast<uint32_t>(_mm256_movemask_epi8(compare(half[0]))) |
+           static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_epi8(compare(half[1])))) << 32;
+  }
+};
+
+std::array<int64_t, kProbes> count_at_least(const uint8_t* votes, int64_t rows, const Probes& t) {
+  std::array<int64_t, kProbes> total{};
+  for (int64_t base = 0; base < rows; base += 64) {
+    const VoteBlock block(votes, rows, base);
+    for (int i = 0; i < kProbes; ++i) total[i] += __builtin_popcountll(block.at_least(t[i]) & first_rows(rows - base));
+  }
+  return total;
+}
+#endif
 
 // Sorts entries[n] ascending by the 32-bit key in bits [shift, shift + 32), stably: a
 // radix sort, four 8-bit passes, with no data-dependent branches (a comparison sort of
@@ -192,6 +312,98 @@ uint32_t descending_key(float value) {
   return (bits >> 31) ? bits : ~bits & 0x7fffffffu;
 }
 
+// subspace_votes's vector steps, each with its AVX2 counterpart: the score range (NaN
+// noted); each pattern's bucket; the caps passed before each bucket; each pattern's votes
+// where its bucket passes no cap; the patterns of a bucket among 64.
+struct ScoreRange {
+  float top, width;
+  bool nan;
+};
+
+#ifdef JAXKV_AVX512
+inline __m512 plus_zero(const float* score, int p) { return _mm512_add_ps(_mm512_loadu_ps(score + p), _mm512_setzero_ps()); }
+
+inline ScoreRange score_range(const float* score) {
+  __m512 lowest = _mm512_set1_ps(INFINITY), highest = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int p = 0; p < kPatterns; p += 16) {
+    const __m512 s = plus_zero(score, p);
+    lowest = _mm512_min_ps(lowest, s), highest = _mm512_max_ps(highest, s);
+    nan |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+  }
+  const float top = _mm512_reduce_max_ps(highest);
+  return {top, top - _mm512_reduce_min_ps(lowest), nan != 0};
+}
+
+inline void bucket_patterns(const float* score, float top, float scale, uint8_t* bucket) {
+  for (int p = 0; p < kPatterns; p += 16) {
+    const __m512 offset = _mm512_mul_ps(_mm512_sub_ps(_mm512_set1_ps(top), plus_zero(score, p)), _mm512_set1_ps(scale));
+    // A NaN offset (∞ − ∞, only where scale is 0) converts to INT_MIN: bucket 0, as the rest.
+    const __m512i b = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(offset), _mm512_setzero_si512()),
+                                       _mm512_set1_epi32(kPatterns - 1));
+    _mm_store_si128(reinterpret_cast<__m128i*>(bucket + p), _mm512_cvtepi32_epi8(b));
+  }
+}
+
+// passed[b + 1]: how many caps covered[b] keys exceed.
+inline void caps_passed(const int32_t* covered, const float* caps, int64_t n_tiers, uint8_t* passed) {
+  for (int b = 0; b < kPatterns; b += 16) {
+    const __m512 keys = _mm512_cvtepi32_ps(_mm512_load_si512(covered + b));
+    __m512i n = _mm512_setzero_si512();
+    for (int64_t t = 0; t < n_tiers; ++t)
+      n = _mm512_mask_sub_epi32(n, _mm512_cmp_ps_mask(keys, _mm512_set1_ps(caps[t]), _CMP_GT_OQ), n, _mm512_set1_epi32(-1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(passed + b + 1), _mm512_cvtepi32_epi8(n));
+  }
+}
+
+inline void votes_by_bucket(const uint8_t* passed, int64_t n_tiers, const uint8_t* bucket, uint8_t* lut) {
+  __m512i votes[4];  // of each bucket's patterns, where it passes no cap
+  for (int i = 0; i < 4; ++i)
+    votes[i] = _mm512_sub_epi8(_mm512_set1_epi8(static_cast<char>(n_tiers)), _mm512_loadu_si512(passed + 1 + 64 * i));
+  for (int p = 0; p < kPatterns; p += 64) _mm512_storeu_si512(lut + p, lookup_bytes(votes, _mm512_load_si512(bucket + p)));
+}
+
+inline uint64_t patterns_in_bucket(const uint8_t* bucket, int p, int b) {
+  return _mm512_cmpeq_epi8_mask(_mm512_load_si512(bucket + p), _mm512_set1_epi8(static_cast<char>(b)));
+}
+#else
+inline ScoreRange score_range(const float* score) {
+  float lowest = INFINITY, highest = -INFINITY;
+  bool nan = false;
+  for (int p = 0; p < kPatterns; ++p) {
+    const float s = score[p] + 0.0f;
+    lowest = std::min(lowest, s), highest = std::max(highest, s);
+    nan |= s != s;
+  }
+  return {highest, highest - lowest, nan};
+}
+
+inline void bucket_patterns(const float* score, float top, float scale, uint8_t* bucket) {
+  for (int p = 0; p < kPatterns; ++p) {
+    const float offset = (top - (score[p] + 0.0f)) * scale;  // NaN only where scale is 0: bucket 0
+    bucket[p] = offset >= 0.0f ? static_cast<uint8_t>(std::min(offset, static_cast<float>(kPatterns - 1))) : 0;
+  }
+}
+
+inline void caps_passed(const int32_t* covered, const float* caps, int64_t n_tiers, uint8_t* passed) {
+  for (int b = 0; b < kPatterns; ++b) {
+    int n = 0;
+    for (int64_t t = 0; t < n_tiers; ++t) n += static_cast<float>(covered[b]) > caps[t];
+    passed[b + 1] = static_cast<uint8_t>(n);
+  }
+}
+
+inline void votes_by_bucket(const uint8_t* passed, int64_t n_tiers, const uint8_t* bucket, uint8_t* lut) {
+  for (int p = 0; p < kPatterns; ++p) lut[p] = static_cast<uint8_t>(n_tiers - passed[bucket[p] + 1]);
+}
+
+inline uint64_t patterns_in_bucket(const uint8_t* bucket, int p, int b) {
+  uint64_t in = 0;
+  for (int i = 0; i < 64; ++i) in |= static_cast<uint64_t>(bucket[p + i] == b) << i;
+  return in;
+}
+#endif
+
 // One subspace's row of pariskv.vote_table, lut[256]: walking the patterns by score,
 // descending, ties to the lower pattern (−0 counting as +0, as in the XLA path's float
 // comparisons), a pattern gets n_tiers − (tier caps its cumulative key count exceeds)
@@ -206,48 +418,24 @@ uint32_t descending_key(float value) {
 // (1.8 us a subspace in a profile of 98 us calls, SmolLM2 shape; 1.4 us against 0.5 us now
 // alone).
 void subspace_votes(const float* score, const int32_t* count, const float* caps, int64_t n_tiers, uint8_t* lut) {
-  const auto plus_zero = [&](int p) { return _mm512_add_ps(_mm512_loadu_ps(score + p), _mm512_setzero_ps()); };
-  __m512 lowest = _mm512_set1_ps(INFINITY), highest = _mm512_set1_ps(-INFINITY);
-  __mmask16 nan = 0;
-  for (int p = 0; p < kPatterns; p += 16) {
-    const __m512 s = plus_zero(p);
-    lowest = _mm512_min_ps(lowest, s), highest = _mm512_max_ps(highest, s);
-    nan |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
-  }
-  const float top = _mm512_reduce_max_ps(highest), width = top - _mm512_reduce_min_ps(lowest);
+  const auto [top, width, nan] = score_range(score);
   float scale = (kPatterns - 1) / width;  // one bucket for all when the range is empty, infinite or NaN
   if (nan || !(width > 0.0f) || !std::isfinite(width) || !std::isfinite(scale)) scale = 0.0f;
   alignas(64) uint8_t bucket[kPatterns];
-  for (int p = 0; p < kPatterns; p += 16) {
-    const __m512 offset = _mm512_mul_ps(_mm512_sub_ps(_mm512_set1_ps(top), plus_zero(p)), _mm512_set1_ps(scale));
-    // A NaN offset (∞ − ∞, only where scale is 0) converts to INT_MIN: bucket 0, as the rest.
-    const __m512i b = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(offset), _mm512_setzero_si512()),
-                                       _mm512_set1_epi32(kPatterns - 1));
-    _mm_store_si128(reinterpret_cast<__m128i*>(bucket + p), _mm512_cvtepi32_epi8(b));
-  }
+  bucket_patterns(score, top, scale, bucket);
   alignas(64) int32_t covered[kPatterns] = {};  // keys in each bucket, then in it and those before
   for (int p = 0; p < kPatterns; ++p) covered[bucket[p]] += count[p];
   for (int b = 1; b < kPatterns; ++b) covered[b] += covered[b - 1];
   alignas(64) uint8_t passed[kPatterns + 1];  // caps passed before bucket b
   passed[0] = 0;
-  for (int b = 0; b < kPatterns; b += 16) {
-    const __m512 keys = _mm512_cvtepi32_ps(_mm512_load_si512(covered + b));
-    __m512i n = _mm512_setzero_si512();
-    for (int64_t t = 0; t < n_tiers; ++t)
-      n = _mm512_mask_sub_epi32(n, _mm512_cmp_ps_mask(keys, _mm512_set1_ps(caps[t]), _CMP_GT_OQ), n, _mm512_set1_epi32(-1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(passed + b + 1), _mm512_cvtepi32_epi8(n));
-  }
-  __m512i votes[4];  // of each bucket's patterns, where it passes no cap
-  for (int i = 0; i < 4; ++i)
-    votes[i] = _mm512_sub_epi8(_mm512_set1_epi8(static_cast<char>(n_tiers)), _mm512_loadu_si512(passed + 1 + 64 * i));
-  for (int p = 0; p < kPatterns; p += 64) _mm512_storeu_si512(lut + p, lookup_bytes(votes, _mm512_load_si512(bucket + p)));
+  caps_passed(covered, caps, n_tiers, passed);
+  votes_by_bucket(passed, n_tiers, bucket, lut);
   for (int b = 0; b < kPatterns; ++b) {  // the walk itself through each bucket that passes a cap
     if (passed[b + 1] == passed[b]) continue;
     uint64_t entry[kPatterns];  // descending key << 8 | pattern: the walk's order
     int n = 0;
     for (int p = 0; p < kPatterns; p += 64)
-      for (uint64_t in = _mm512_cmpeq_epi8_mask(_mm512_load_si512(bucket + p), _mm512_set1_epi8(static_cast<char>(b))); in;
-           in &= in - 1) {
+      for (uint64_t in = patterns_in_bucket(bucket, p, b); in; in &= in - 1) {
         const int pattern = p + __builtin_ctzll(in);
         entry[n++] = static_cast<uint64_t>(descending_key(score[pattern] + 0.0f)) << 8 | static_cast<uint64_t>(pattern);
       }
@@ -323,6 +511,7 @@ void place_blocks(BlockCounts* blocks, int64_t n_blocks, int64_t count) {
 // a bit deposit), their offsets compressed into a register's low bytes, written out 16 row
 // numbers a store. The only branch on the votes is that loop's, whose second store (more than
 // 16 of 64 rows kept) is rare at C = N/10 unless the kept rows cluster.
+#ifdef JAXKV_AVX512
 void write_rows(const uint8_t* votes, int64_t begin, int64_t end, int t, int64_t ties, int32_t* out) {
   alignas(64) static constexpr uint8_t kOffsets[64] = {
       0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
@@ -350,6 +539,22 @@ void write_rows(const uint8_t* votes, int64_t begin, int64_t end, int t, int64_t
     k += n_rows;
   }
 }
+#else
+// AVX2: the same masks, the kept rows' numbers written one by one.
+void write_rows(const uint8_t* votes, int64_t begin, int64_t end, int t, int64_t ties, int32_t* out) {
+  int64_t k = 0;
+  for (int64_t base = begin; base < end; base += 64) {
+    const VoteBlock block(votes, end, base);
+    const uint64_t in_range = first_rows(end - base), at_least = block.at_least(t) & in_range;
+    const uint64_t tie = block.equal(t) & in_range;
+    const int64_t n_tie = __builtin_popcountll(tie);
+    const uint64_t taken = n_tie <= ties ? tie : _pdep_u64((1ull << ties) - 1, tie);  // ties < n_tie <= 64
+    ties -= std::min(n_tie, ties);
+    for (uint64_t keep = (at_least & ~tie) | taken; keep; keep &= keep - 1)
+      out[k++] = static_cast<int32_t>(base + __builtin_ctzll(keep));
+  }
+}
+#endif
 
 ffi::Error coarse(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<ffi::F32> scores,
                   ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::F32> caps, ffi::Buffer<ffi::S32> n,
@@ -419,6 +624,7 @@ ffi::Error coarse(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
 
 // ---------------------------------------------------------------- rerank
 
+#ifdef JAXKV_AVX512
 // One row's estimate. m = 8, so coordinate 8b + j is bit j of byte b of the sign row and
 // of each magnitude plane. A byte permute lays the row out as one qword per subspace,
 // bytes [.., .., .., .., sign, plane 2, plane 1, plane 0], and a GF(2) affine transform
@@ -430,6 +636,21 @@ struct RerankQuery {
   __m512 q[2][4];  // [group of 64 coordinates][t]: lane j = the rotated query's 64g + 4j + t (0 past P)
   __m512 signed_centres;  // [positive << 3 | cell]: −centre, then +centre
 };
+
+// The rotated query q[P] and the head's centres[8] as the estimate reads them.
+RerankQuery rerank_query(const float* q, int64_t p, const float* centre) {
+  RerankQuery rq;
+  for (int64_t g = 0; g < 2; ++g)
+    for (int64_t t = 0; t < 4; ++t) {
+      alignas(64) float lanes[16];
+      for (int64_t j = 0; j < 16; ++j) lanes[j] = 64 * g + 4 * j + t < p ? q[64 * g + 4 * j + t] : 0.0f;
+      rq.q[g][t] = _mm512_load_ps(lanes);
+    }
+  alignas(64) float table[16];
+  for (int i = 0; i < 8; ++i) table[i] = -centre[i], table[8 + i] = centre[i];
+  rq.signed_centres = _mm512_load_ps(table);
+  return rq;
+}
 
 template <int64_t kChunks>  // P = 16 kChunks coordinates, B = 2 kChunks subspaces
 struct RowLayout {
@@ -487,6 +708,51 @@ __m512 row_partials(const RerankQuery& rq, const __m512i (&permute)[2], const ui
   }
   return total;
 }
+#else
+// AVX2: one subspace (8 coordinates, bit j of its byte of the sign row and of each plane) per
+// step. Lane j takes the word sign | plane 2 << 8 | plane 1 << 16 | plane 0 << 24 shifted
+// right by j, masked to bits 0, 8, 16 and 24; times 0x08040201 that puts positive << 3 | cell
+// in bits 24-27 (the product's four terms land on distinct bits: no carries). The 8-entry
+// permute reads the cell from the index's low three bits, and the sign moved to bit 31 turns
+// −centre into +centre.
+struct RerankQuery {
+  alignas(32) float weighted[16][128];  // [w][i]: w × the rotated query's coordinate i (0 past P)
+  __m256 minus_centres;
+};
+
+RerankQuery rerank_query(const float* q, int64_t p, const float* centre) {
+  RerankQuery rq;
+  for (int w = 0; w < 16; ++w)
+    for (int64_t i = 0; i < 128; ++i) rq.weighted[w][i] = i < p ? static_cast<float>(w) * q[i] : 0.0f;
+  alignas(32) float table[8];
+  for (int i = 0; i < 8; ++i) table[i] = -centre[i];
+  rq.minus_centres = _mm256_load_ps(table);
+  return rq;
+}
+
+// Σ_b Σ_{i in b} w_b q_i · ±centre[cell_i] for one row (the scale applied by the caller).
+template <int64_t kChunks>
+float row_estimate(const RerankQuery& rq, const uint8_t* signs, const uint8_t* record) {
+  constexpr int64_t kPlaneBytes = 2 * kChunks;  // = B, one byte per subspace
+  uint64_t multiples = 0;  // nibble b = w_b
+  std::memcpy(&multiples, record + kMagnitudeBits * kPlaneBytes, kChunks);
+  const __m256i shift = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), low_bits = _mm256_set1_epi32(0x01010101);
+  const __m256i gather = _mm256_set1_epi32(0x08040201), sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t b = 0; b < kPlaneBytes; ++b) {
+    const uint32_t word = signs[b] | record[2 * kPlaneBytes + b] << 8 | record[kPlaneBytes + b] << 16 |
+                          static_cast<uint32_t>(record[b]) << 24;
+    const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shift), low_bits);
+    const __m256i code = _mm256_mullo_epi32(bits, gather);
+    const __m256 level = _mm256_permutevar8x32_ps(rq.minus_centres, _mm256_srli_epi32(code, 24));
+    const __m256 value = _mm256_xor_ps(level, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(code, 4), sign)));
+    total = _mm256_fmadd_ps(value, _mm256_load_ps(rq.weighted[(multiples >> (4 * b)) & 15] + 8 * b), total);
+  }
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+#endif
 
 // Fetches row r's sign bytes and both ends of its record into L2. A function, not a lambda:
 // GCC 12 at -O3 dropped every prefetch of a lambda written for this (none left in the object
@@ -513,27 +779,17 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
       centres.element_count() != batch * 8 || rows.element_count() != batch * count)
     return ffi::Error::InvalidArgument("pariskv_rerank: records [..., cap, 3P/8 + B/2 + 2] must match signs [..., cap, B]");
   std::vector<RerankQuery> queries(batch);
-  for (int64_t h = 0; h < batch; ++h) {
-    RerankQuery& rq = queries[h];
-    const float* q = q_rot.typed_data() + h * p;
-    for (int64_t g = 0; g < 2; ++g)
-      for (int64_t t = 0; t < 4; ++t) {
-        alignas(64) float lanes[16];
-        for (int64_t j = 0; j < 16; ++j) lanes[j] = 64 * g + 4 * j + t < p ? q[64 * g + 4 * j + t] : 0.0f;
-        rq.q[g][t] = _mm512_load_ps(lanes);
-      }
-    alignas(64) float table[16];
-    const float* centre = centres.typed_data() + h * 8;
-    for (int i = 0; i < 8; ++i) table[i] = -centre[i], table[8 + i] = centre[i];
-    rq.signed_centres = _mm512_load_ps(table);
-  }
+  for (int64_t h = 0; h < batch; ++h)
+    queries[h] = rerank_query(q_rot.typed_data() + h * p, p, centres.typed_data() + h * 8);
   // Items of kRerankRows candidates of one head, split over the threads.
   constexpr int64_t kRerankRows = 512;
   const auto rerank_rows = [&](auto chunks) {
     // A record: the magnitude planes, the B/2 = kChunks weight bytes, the scale.
     constexpr int64_t kChunks = decltype(chunks)::value, kWeightsAt = kMagnitudeBits * 2 * kChunks,
                       kScaleAt = kWeightsAt + kChunks, kRecordBytes = kScaleAt + kScaleBytes;
+#ifdef JAXKV_AVX512
     const __m512i permute[2] = {RowLayout<kChunks>::permute(0), RowLayout<kChunks>::permute(1)};
+#endif
     parallel_chunks(pool, batch, count, kRerankRows, [&](int64_t h, int64_t begin, int64_t end) {
       const uint8_t* s = signs.typed_data() + h * cap * n_sub;
       const uint8_t* rec = records.typed_data() + h * cap * kRecordBytes;
@@ -553,6 +809,7 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
       constexpr int64_t kFar = 48;
       const auto row_at = [&](int64_t i) { return std::clamp<int64_t>(row[i], 0, cap - 1); };
       for (int64_t i = begin; i < std::min(begin + kFar, end); ++i) fetch_candidate(s, rec, n_sub, kRecordBytes, row_at(i));
+#ifdef JAXKV_AVX512
       for (int64_t first = begin; first < end; first += 16) {  // 16 rows summed at once
         __m512 partials[16];
         alignas(64) float scales[16];
@@ -574,6 +831,16 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
         const __m512 estimates = _mm512_mul_ps(_mm512_mul_ps(sum_each(partials), _mm512_load_ps(scales)), _mm512_set1_ps(norm));
         _mm512_mask_storeu_ps(est + first, lanes_in_use(end - first), estimates);
       }
+#else
+      for (int64_t i = begin; i < end; ++i) {
+        if (i + kFar < end) fetch_candidate(s, rec, n_sub, kRecordBytes, row_at(i + kFar));
+        const int64_t r = row_at(i);
+        const uint8_t* record = rec + r * kRecordBytes;
+        uint16_t scale_bits;
+        std::memcpy(&scale_bits, record + kScaleAt, sizeof scale_bits);
+        est[i] = row_estimate<kChunks>(queries[h], s + r * n_sub, record) * bf16_to_f32(scale_bits) * norm;
+      }
+#endif
     }, /*linger=*/true);  // the final top-k follows
   };
   switch (p / 16) {  // 1, 2, 4 or 8, checked above
@@ -587,6 +854,7 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
 
 // ---------------------------------------------------------------- final top-k
 
+#ifdef JAXKV_AVX512
 // descending_key of 16 values: the bits of a negative float as they are, of a positive one
 // with the low 31 flipped.
 inline __m512i descending_keys(__m512 values) {
@@ -612,6 +880,17 @@ int64_t positions_at_most(const float* values, int64_t c, uint32_t bound, int32_
   }
   return n;
 }
+#else
+// AVX2: one value at a time, its position written and kept or not (no branch on the values).
+int64_t positions_at_most(const float* values, int64_t c, uint32_t bound, int32_t* out) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < c; ++i) {
+    out[n] = static_cast<int32_t>(i);
+    n += descending_key(values[i]) <= bound;
+  }
+  return n;
+}
+#endif
 
 // A key bound that about k + 3·sqrt(k·C/S) + 9·C/S of the C values meet (at least k nearly
 // always): the quantile of a strided sample of S = min(1024, C/4) keys three standard

@@ -16,6 +16,8 @@
 
 #include "parallel.h"
 
+#ifdef JAXKV_AVX512  // nothing of this file is built for AVX2 only (parallel.h)
+
 namespace jaxkv_native {
 namespace {
 
@@ -101,3 +103,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul, jaxkv_native::quantized_matmul,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int64_t>("q4_1"));
+
+#endif  // JAXKV_AVX512
