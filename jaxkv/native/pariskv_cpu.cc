@@ -15,9 +15,9 @@
 // a batch axis (vmap, broadcast_all).
 //
 // On a CPU without AVX-512 (parallel.h's JAXKV_AVX512 unset) the same three kernels are built
-// from their AVX2 counterparts below (#else of each JAXKV_AVX512): the votes a row at a
-// time from the byte table, the estimate a subspace (8 coordinates) per 8-lane step, the same
-// answers.
+// from their AVX2 counterparts below (#else of each JAXKV_AVX512): the votes 32 rows at a
+// time by byte shuffles of 16-byte pieces of the table, the estimate a subspace (8
+// coordinates) per 8-lane step, the same answers.
 
 #include <immintrin.h>
 
