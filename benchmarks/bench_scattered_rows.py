@@ -58,15 +58,15 @@ from jaxkv.attention import common, magicpig
 SOURCE = Path(__file__).resolve().parent / "scattered_rows.cc"
 
 
-def build(directory: Path) -> Path:
-    """Compiles scattered_rows.cc into directory, with the kernels' compiler; the sums may be
-    reordered (vectorised)."""
+def build(directory: Path, source: Path = SOURCE) -> Path:
+    """Compiles a benchmark program (scattered_rows.cc by default) into directory, with the
+    kernels' compiler; the sums may be reordered (vectorised)."""
     try:
         compiler = native.cxx_compiler()
     except native.NativeUnavailable as error:
-        raise SystemExit(f"bench_scattered_rows: {error}") from None
-    binary = directory / "scattered_rows"
-    subprocess.run([compiler, "-O3", "-march=native", "-ffast-math", "-std=c++17", "-pthread", str(SOURCE),
+        raise SystemExit(f"{source.stem}: {error}") from None
+    binary = directory / source.stem
+    subprocess.run([compiler, "-O3", "-march=native", "-ffast-math", "-std=c++17", "-pthread", str(source),
                     "-o", str(binary)], check=True)
     return binary
 
@@ -91,15 +91,19 @@ def measure(binary: Path, n: int, args) -> dict:
            "cached_rows": args.cached_rows, "kernel_pairs": kernel["pairs"], "modes": {}}
     for source in (raw, kernel):
         for mode, seconds in source["seconds"].items():
-            seconds = np.asarray(seconds)
-            median = float(np.median(seconds))
             nbytes = source["rows"][mode] * 2 * args.head_dim * 4  # a float32 K and V row each
-            out["modes"][mode] = {"rows": source["rows"][mode], "bytes": nbytes, "median_s": median,
-                                  "min_s": float(seconds.min()), "max_s": float(seconds.max()), "Bps": nbytes / median}
+            out["modes"][mode] = {"rows": source["rows"][mode], "bytes": nbytes, **pass_times(seconds)}
+            out["modes"][mode]["Bps"] = nbytes / out["modes"][mode]["median_s"]
     stream = out["modes"]["stream"]["Bps"]
     for mode in out["modes"].values():
         mode["of_stream"] = mode["Bps"] / stream
     return out
+
+
+def pass_times(seconds) -> dict:
+    """Median, min and max seconds of a mode's passes."""
+    seconds = np.asarray(seconds)
+    return {"median_s": float(np.median(seconds)), "min_s": float(seconds.min()), "max_s": float(seconds.max())}
 
 
 def sample_slots(rng, n: int, heads: int, group: int, density: float, head_share: float):
