@@ -39,6 +39,8 @@ class Region {
     const auto misalign = reinterpret_cast<uintptr_t>(storage_.data()) % kLine;
     start_ = storage_.data() + (misalign ? kLine - misalign : 0);
   }
+  Region(const Region&) = delete;  // start_ points into storage_: moved with it, never copied
+  Region(Region&&) noexcept = default;
   uint8_t* data() { return start_; }
   const uint8_t* data() const { return start_; }
 
