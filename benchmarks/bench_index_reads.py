@@ -46,7 +46,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -97,32 +96,21 @@ def kernel_modes(n: int, args) -> dict:
     calls = {"coarse kernel": (lambda: coarse(index), True),
              "rerank kernel": (lambda: rerank(index.codes, candidates), True),
              "rerank kernel, rows cached": (lambda: rerank(index.codes, cached), False)}
-    evict = np.zeros(args.evict_mb << 20, np.uint8)
-    seconds = {mode: [] for mode in calls}
-    for _ in range(args.repeats + 1):  # the first round compiles
-        for mode, (call, evicted) in calls.items():
-            if evicted:
-                evict[::LINE] += 1
-            else:
-                jax.block_until_ready(call())
-            start = time.perf_counter()
-            jax.block_until_ready(call())
-            seconds[mode].append(time.perf_counter() - start)
+    seconds = bench_scattered_rows.time_calls(calls, args.repeats, args.evict_mb)
     sign_bytes, record_bytes = index.codes.signs.shape[-1], index.codes.record.shape[-1]
-    rows = np.asarray(candidates)
-    candidate_lines = lines_touched(rows, sign_bytes, sign_bytes) + lines_touched(rows, record_bytes, record_bytes)
-    cached_rows = np.sort(np.asarray(cached), axis=-1)
-    cached_lines = (lines_touched(cached_rows, sign_bytes, sign_bytes)
-                    + lines_touched(cached_rows, record_bytes, record_bytes))
-    sign_lines = args.heads * -(-n * sign_bytes // LINE)
+
+    def rerank_lines(rows: jax.Array) -> int:  # each candidate's sign row and record
+        rows = np.asarray(rows)
+        return lines_touched(rows, sign_bytes, sign_bytes) + lines_touched(rows, record_bytes, record_bytes)
+
+    reranked = candidates.size
     return {"sign_bytes": sign_bytes, "record_bytes": record_bytes, "candidates": count,
-            "rows": {"coarse kernel": args.heads * n, "rerank kernel": rows.size, "rerank kernel, rows cached": rows.size},
-            "bytes": {"coarse kernel": args.heads * n * sign_bytes,
-                      "rerank kernel": rows.size * (sign_bytes + record_bytes),
-                      "rerank kernel, rows cached": rows.size * (sign_bytes + record_bytes)},
-            "lines": {"coarse kernel": sign_lines, "rerank kernel": candidate_lines,
-                      "rerank kernel, rows cached": cached_lines},
-            "seconds": {mode: s[1:] for mode, s in seconds.items()}}
+            "rows": {"coarse kernel": args.heads * n, "rerank kernel": reranked, "rerank kernel, rows cached": reranked},
+            "bytes": {"coarse kernel": args.heads * n * sign_bytes, "rerank kernel": reranked * (sign_bytes + record_bytes),
+                      "rerank kernel, rows cached": reranked * (sign_bytes + record_bytes)},
+            "lines": {"coarse kernel": args.heads * -(-n * sign_bytes // LINE), "rerank kernel": rerank_lines(candidates),
+                      "rerank kernel, rows cached": rerank_lines(cached)},
+            "seconds": seconds}
 
 
 def measure(binary: Path, n: int, args) -> dict:

@@ -135,20 +135,29 @@ def kernel_modes(n: int, head_dim: int, heads: int, group: int, density: float, 
     attend = jax.jit(lambda idx, keys, values: native.magicpig_attend(
         q, keys, values, mu, idx, jnp.asarray(mask), tables_used, K=cfg.K, min_hits=cfg.min_hits,
         tail_terms=magicpig.TAIL_TERMS, log_u_floor=magicpig.LOG_U_FLOOR, masked_score=common.MASKED_SCORE))
+    rows, cached = jnp.asarray(idx), jnp.asarray(idx % cached_rows)
+    calls = {"kernel": (lambda: attend(rows, keys, values), True),
+             "kernel, rows cached": (lambda: attend(cached, keys, values), False)}
+    return {"rows": {mode: sampled for mode in calls}, "pairs": int(mask.sum()),
+            "seconds": time_calls(calls, repeats, evict_mb)}
+
+
+def time_calls(calls: dict, repeats: int, evict_mb: int) -> dict:
+    """Seconds of each jitted call of ``calls`` (mode -> (call, evicted)) over ``repeats`` rounds,
+    the modes alternating: an evicted mode's call follows a write of evict_mb MB, the others
+    follow a call of their own (their data cached). A first round, which compiles, is left out."""
     evict = np.zeros(evict_mb << 20, np.uint8)
-    layouts = {"kernel": (jnp.asarray(idx), True), "kernel, rows cached": (jnp.asarray(idx % cached_rows), False)}
-    seconds = {mode: [] for mode in layouts}
-    for _ in range(repeats + 1):  # the first round compiles
-        for mode, (rows, evicted) in layouts.items():
+    seconds = {mode: [] for mode in calls}
+    for _ in range(repeats + 1):
+        for mode, (call, evicted) in calls.items():
             if evicted:
                 evict[::64] += 1
             else:
-                jax.block_until_ready(attend(rows, keys, values))
+                jax.block_until_ready(call())
             start = time.perf_counter()
-            jax.block_until_ready(attend(rows, keys, values))
+            jax.block_until_ready(call())
             seconds[mode].append(time.perf_counter() - start)
-    return {"rows": {mode: sampled for mode in layouts}, "pairs": int(mask.sum()),
-            "seconds": {mode: s[1:] for mode, s in seconds.items()}}
+    return {mode: s[1:] for mode, s in seconds.items()}
 
 
 def markdown(results: list[dict], command: str) -> str:

@@ -16,7 +16,6 @@
 // Prints one JSON object: seconds of every pass per mode, rows, bytes and lines read.
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +25,8 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "timed_pass.h"
 
 namespace {
 
@@ -122,20 +123,6 @@ int64_t lines_of(const std::vector<int64_t>& rows, int64_t stride, int64_t bytes
   return lines;
 }
 
-double timed_pass(const Index& x, const std::string& mode, int64_t n, int threads, std::vector<char>& evict,
-                  uint32_t* sink) {
-  for (size_t i = 0; i < evict.size(); i += kLine) evict[i] += 1;
-  std::vector<uint32_t> sums(threads);
-  const auto start = std::chrono::steady_clock::now();
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back([&, t] { sums[t] = read_part(x, mode, n, t, threads); });
-  sums[0] = read_part(x, mode, n, 0, threads);
-  for (auto& thread : pool) thread.join();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  for (uint32_t s : sums) *sink += s;
-  return seconds;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -191,7 +178,8 @@ int main(int argc, char** argv) {
   std::vector<std::vector<double>> seconds(3);
   uint32_t sink = 0;
   for (int rep = 0; rep < repeats; ++rep)  // modes alternate, so that a slow moment hits all of them
-    for (int m = 0; m < 3; ++m) seconds[m].push_back(timed_pass(x, modes[m], n, threads, evict, &sink));
+    for (int m = 0; m < 3; ++m) seconds[m].push_back(
+        timed_pass(threads, evict, &sink, [&](int t) { return read_part(x, modes[m], n, t, threads); }));
   for (int m = 0; m < 3; ++m) {
     std::printf("%s\"%s\": [", m ? ", " : "", modes[m]);
     for (int rep = 0; rep < repeats; ++rep) std::printf("%s%.9f", rep ? ", " : "", seconds[m][rep]);

@@ -14,7 +14,6 @@
 // Prints one JSON object: seconds of every pass per mode, the rows, the bytes.
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +21,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "timed_pass.h"
 
 namespace {
 
@@ -76,20 +77,6 @@ float read_part(const Regions& r, const std::string& mode, int64_t n, int64_t d,
   return total;
 }
 
-double timed_pass(const Regions& r, const std::string& mode, int64_t n, int64_t d, int threads,
-                  std::vector<char>& evict, float* sink) {
-  for (size_t i = 0; i < evict.size(); i += 64) evict[i] += 1;
-  std::vector<float> sums(threads);
-  const auto start = std::chrono::steady_clock::now();
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back([&, t] { sums[t] = read_part(r, mode, n, d, t, threads); });
-  sums[0] = read_part(r, mode, n, d, 0, threads);
-  for (auto& thread : pool) thread.join();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  for (float s : sums) *sink += s;
-  return seconds;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -129,7 +116,8 @@ int main(int argc, char** argv) {
   const char* modes[] = {"stream", "scattered", "interleaved"};
   std::vector<std::vector<double>> seconds(3);
   for (int rep = 0; rep < repeats; ++rep)  // modes alternate, so that a slow moment hits all of them
-    for (int m = 0; m < 3; ++m) seconds[m].push_back(timed_pass(r, modes[m], n, d, threads, evict, &sink));
+    for (int m = 0; m < 3; ++m) seconds[m].push_back(
+        timed_pass(threads, evict, &sink, [&](int t) { return read_part(r, modes[m], n, d, t, threads); }));
   for (int m = 0; m < 3; ++m) {
     std::printf("%s\"%s\": [", m ? ", " : "", modes[m]);
     for (int rep = 0; rep < repeats; ++rep) std::printf("%s%.9f", rep ? ", " : "", seconds[m][rep]);
