@@ -24,7 +24,7 @@ What runs where, and why:
   here (``make test`` is the suite itself, and ``make demo``'s recipe is the
   documented ``jaxkv generate`` line, checked to be equal and run above).
 - Relative links must resolve. Links into docs/results/ whose pages do not exist yet
-  (colleagues are writing them) are reported by an explicit skip, not passed.
+  (a page linked before it is written) are reported by an explicit skip, not passed.
 """
 from __future__ import annotations
 
