@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.attention import common, magicpig, pariskv, rsq
+from jaxkv.attention.magicpig import MagicPIGConfig
+from jaxkv.attention.method import SparseMethod
+from jaxkv.attention.pariskv import ParisKVConfig
 
 
 TAILS = ("regression", "lsh", "none")
@@ -55,68 +57,57 @@ RIDGE = 1e-3
 # CG stops at this relative residual, or after this many iterations per feature (exact
 # arithmetic needs one per feature; float32 a few more).
 CG_TOL, CG_ITERATIONS_PER_FEATURE = 1e-6, 3
-INDEX_USES_VALUES = True  # the regression tail fits values at build and insert
 
 
 @dataclasses.dataclass(frozen=True)
 class HybridConfig:
-    """Static hybrid settings.
+    """Static hybrid settings: the configs of the two methods it combines, and its own regions.
 
-    top_k: head rows retrieved by ParisKV (0: no head, i.e. MagicPIG; "lsh" tail only).
+    pariskv: the head, ParisKV's retrieval of its ``top_k`` rows (with its m, candidate
+        and collision ratios, levels, seed, kernels). None: no head ("lsh" tail only,
+        i.e. MagicPIG).
     tail: "regression" (RSQ scores + regressed values of the non-head candidates, no
         K/V read), "lsh" (MagicPIG's sampling of the rest) or "none" (ParisKV).
-    K, L, min_hits, capacity, candidate_capacity, center: MagicPIG's settings ("lsh" tail).
-    m, candidate_ratio, collision_ratio, official_levels: ParisKV's head settings.
-    sink, local, buffer: the exact regions (small by default so the budget goes to the head).
+    magicpig: the "lsh" tail's sampling (K, L, min_hits, capacity, candidate_capacity,
+        center, seed, kernels).
+    sink, local, buffer, dense_layers: the hybrid's exact regions and dense layers
+        (small regions by default so the budget goes to the head). They replace the
+        nested configs' own (:meth:`head_config`, :meth:`tail_config`).
+    On the command line: ``--set pariskv.top_k=2048 --set magicpig.L=100``.
     """
 
-    top_k: int = 100
+    pariskv: ParisKVConfig | None = ParisKVConfig()
     tail: str = "regression"
-    K: int = 10
-    L: int = 150
+    magicpig: MagicPIGConfig = MagicPIGConfig()
     sink: int = 4
     local: int = 64
     buffer: int = 64
-    min_hits: int = 2
-    capacity: int | float = 0.125
-    candidate_capacity: int | float = 0.5
-    center: bool = True
-    m: int = 8
-    candidate_ratio: float | None = None
-    collision_ratio: float | None = None
-    official_levels: bool = False
-    seed: int = 0
     dense_layers: tuple = ()
 
     def __post_init__(self):
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"HybridConfig.top_k must be an int >= 0, got {self.top_k!r}")
         if self.tail not in TAILS:
             raise ValueError(f"HybridConfig.tail must be one of {TAILS}, got {self.tail!r}")
-        if self.top_k == 0 and self.tail != "lsh":
-            raise ValueError(f"HybridConfig: top_k=0 with tail={self.tail!r} has no head to work from; "
-                             "use top_k >= 1 or tail='lsh' (MagicPIG alone)")
+        if self.pariskv is not None and not isinstance(self.pariskv, ParisKVConfig):
+            raise ValueError(f"HybridConfig.pariskv must be a ParisKVConfig or None, got {self.pariskv!r}")
+        if not isinstance(self.magicpig, MagicPIGConfig):
+            raise ValueError(f"HybridConfig.magicpig must be a MagicPIGConfig, got {self.magicpig!r}")
+        if self.pariskv is None and self.tail != "lsh":
+            raise ValueError(f"HybridConfig: pariskv=None with tail={self.tail!r} has no head to work from; "
+                             "give a ParisKVConfig or use tail='lsh' (MagicPIG alone)")
+        common.check_non_negative(self, "sink", "local", "buffer")
         if isinstance(self.dense_layers, list):
             object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
-        try:  # the parts validate their own fields; name this config in the message
-            self.head_config()
-            self.tail_config()
-        except ValueError as e:
-            raise ValueError(f"HybridConfig: {e}") from None
 
-    def head_config(self) -> pariskv.ParisKVConfig:
-        """ParisKV's config for the head (top_k ≥ 1 even when the head is off, for validation)."""
-        return pariskv.ParisKVConfig(
-            m=self.m, top_k=max(self.top_k, 1), sink=self.sink, local=self.local, buffer=self.buffer,
-            candidate_ratio=self.candidate_ratio, collision_ratio=self.collision_ratio,
-            official_levels=self.official_levels, seed=self.seed, dense_layers=self.dense_layers)
+    def head_config(self) -> ParisKVConfig | None:
+        """The head's ParisKV config with the hybrid's regions and dense layers (None: no head)."""
+        if self.pariskv is None:
+            return None
+        return dataclasses.replace(self.pariskv, sink=self.sink, local=self.local, buffer=self.buffer,
+                                   dense_layers=self.dense_layers)
 
-    def tail_config(self) -> magicpig.MagicPIGConfig:
-        """MagicPIG's config for the tail."""
-        return magicpig.MagicPIGConfig(
-            K=self.K, L=self.L, sink=self.sink, local=self.local, dense_layers=self.dense_layers,
-            min_hits=self.min_hits, capacity=self.capacity,
-            candidate_capacity=self.candidate_capacity, center=self.center, seed=self.seed)
+    def tail_config(self) -> MagicPIGConfig:
+        """The "lsh" tail's MagicPIG config with the hybrid's regions and dense layers."""
+        return dataclasses.replace(self.magicpig, sink=self.sink, local=self.local, dense_layers=self.dense_layers)
 
 
 @jax.tree_util.register_dataclass
@@ -156,7 +147,7 @@ class ReadStats:
 
 
 def _has_head(cfg: HybridConfig) -> bool:
-    return cfg.top_k > 0
+    return cfg.pariskv is not None
 
 
 def n_head_slots(cfg: HybridConfig, capacity: int) -> int:
@@ -179,7 +170,7 @@ def index_bytes_per_key(cfg: HybridConfig, d: int) -> int:
 def _reconstructions(cfg: HybridConfig, codes) -> jax.Array:
     """k̃ [C, P] of ParisKV code rows (what the rerank's estimate is a dot product with)."""
     _, centres = pariskv._levels(cfg.head_config())
-    return rsq.reconstruct(codes, cfg.m, centres)
+    return rsq.reconstruct(codes, cfg.pariskv.m, centres)
 
 
 def _features(recon: jax.Array) -> jax.Array:
@@ -222,7 +213,7 @@ def _value_model(cfg: HybridConfig, codes, values: jax.Array, live: jax.Array,
 def _require_values(values):
     if values is None:
         raise ValueError("HybridConfig(tail='regression') fits values: pass values= to build and insert "
-                         "(common.build_index / common.insert_index do)")
+                         "(the cache's calls, Hybrid.build and Hybrid.insert, do)")
 
 
 # ---------------------------------------------------------------- index
@@ -271,7 +262,14 @@ def _rows_in(rows: jax.Array, members: jax.Array, member_valid: jax.Array) -> ja
 
 
 def _regression_tail(cfg: HybridConfig, index: HybridIndex, q, candidates, in_tail) -> common.Partial:
-    """Partial [G] over the candidates in_tail (not read): RSQ scores, regressed values."""
+    """Partial [G] over the candidates in_tail (not read): RSQ scores, regressed values.
+
+    ŝ_i = ‖q_g‖⟨k̃_i, q̃_g⟩/√d per query head (k̃_i = ``rsq.reconstruct``, the codes the
+    rerank read) and v̂_i = [k̃_i, 1]·A (K and V project the same hidden states, so the
+    key code predicts much of the value), so Σ_i e^{ŝ_i} v̂_i = [Σ_i e^{ŝ_i} k̃_i, Σ_i e^{ŝ_i}]·A:
+    one small matmul. Biased (keys outside the candidates are left out) but free of
+    sampling noise and of K/V reads.
+    """
     pcfg = cfg.head_config()
     recon = _reconstructions(cfg, jax.tree.map(lambda x: x[candidates], index.head.codes))
     q = q.astype(jnp.float32)
@@ -291,7 +289,15 @@ def _regression_tail(cfg: HybridConfig, index: HybridIndex, q, candidates, in_ta
 
 
 def select(cfg: HybridConfig, index: HybridIndex, q: jax.Array) -> common.Selection:
-    """The head's rows, then the tail's: sampled slots ("lsh", mask [G, k + C]) or an estimated ``rest``."""
+    """The head's rows, then the tail's: sampled slots ("lsh", mask [G, k + C]) or an estimated ``rest``.
+
+    With the "lsh" tail, head slots and sampled tail slots travel in one selection
+    (:func:`correction`: 0 on head slots, −log u on tail slots), so the cache's one
+    softmax computes ô = (Σ_E e^{s} v + Σ_H e^{s} v + Σ_{T∩S} e^{s}/u · v) / (the same
+    without v), E the exact regions, H the head, T the rest of the region, S the LSH
+    sample. H does not depend on the LSH projection, so given H both tail sums are
+    unbiased Horvitz–Thompson estimates. A row in both H and S is read once.
+    """
     if cfg.tail == "regression":
         candidates, valid, best = pariskv.ranked_candidates(cfg.head_config(), index.head, q)
         in_tail = valid & ~jnp.zeros(candidates.shape, bool).at[best].set(True)
@@ -351,6 +357,30 @@ def read_stats(cfg: HybridConfig, index: HybridIndex, q: jax.Array,
                      head_index_bytes=head_bytes, tail_index_bytes=tail_bytes)
 
 
+class Hybrid(SparseMethod):
+    """The hybrid through the cache's interface; its index models the values too (the regression tail)."""
+
+    config_class = HybridConfig
+
+    def build(self, cfg, keys, values, n, key):
+        return build(cfg, keys, n, key, values=values)
+
+    def insert(self, cfg, index, keys_new, values_new, count):
+        return insert(cfg, index, keys_new, count, values_new=values_new)
+
+    def select(self, cfg, index, q, take=None):
+        return select(cfg, index, q)
+
+    def correction(self, cfg, index, q, k_rows, selection):
+        return correction(cfg, index, q, k_rows, selection)
+
+    def top_k(self, cfg):
+        return cfg.pariskv.top_k if _has_head(cfg) else 0
+
+
+METHOD = Hybrid()
+
+
 def attend(cfg: HybridConfig, q, keys, values, key=None):
     """(output [G, d], keys read) over sink + local exactly, the head exactly and the tail sampled."""
-    return common.attend_with_method(sys.modules[__name__], cfg, q, keys, values, key)
+    return METHOD.attend(cfg, q, keys, values, key)

@@ -130,7 +130,7 @@ def study(captured, *, budgets=BUDGETS, magicpig_settings=MAGICPIG_SETTINGS, see
                                           candidate_capacity=2.0)
             errs, reads, retrieved = [], [], []
             for l, (k, v, q) in zip(layers, tensors):
-                e, r, got = _method_layer(magicpig, cfg, k, v, q, positions,
+                e, r, got = _method_layer(magicpig.METHOD, cfg, k, v, q, positions,
                                           jax.random.fold_in(jax.random.key(seed), l))
                 errs.append(np.asarray(e))
                 reads.append(np.asarray(r))
