@@ -13,8 +13,10 @@ import sys
 import typing
 from pathlib import Path
 
+from jaxkv.plots import PlotsUnavailable
+
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-               PermissionError, KeyError)
+               PermissionError, KeyError, PlotsUnavailable)
 
 
 class UserError(Exception):

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import plots
 from jaxkv.attention import magicpig, oracles
 from jaxkv.eval import decode_view
 
@@ -158,10 +159,7 @@ def markdown(rows) -> str:
 
 
 def plot(rows, path: Path, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in ORACLES:
@@ -210,6 +208,7 @@ def _magicpig_settings(text: str | None) -> tuple[tuple[int, int], ...]:
 
 
 def main(args) -> int:
+    plots.require()  # before the work: the figure is its last output
     from jaxkv.eval import capture as capture_mod
     from jaxkv.eval import recall
 

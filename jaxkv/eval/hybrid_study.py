@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import plots
 from jaxkv.attention import hybrid, magicpig, oracles, pariskv
 from jaxkv.eval import attention_error, decode_view
 from jaxkv.eval import capture as capture_mod
@@ -320,10 +321,7 @@ def markdown(results, reads) -> str:
 
 
 def plot(results, runs, path: Path, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     markers = {"hybrid oracle": "o", "pariskv": "s", "magicpig": "^", "hybrid_lsh": "v", "hybrid": "D"}
@@ -362,6 +360,7 @@ def _layer_list(text: str, num_layers: int, flag: str) -> list[int]:
 
 
 def main(args) -> int:
+    plots.require()  # before the work: the figure is its last output
     t0 = time.time()
     captured = capture_mod.load_or_capture(args)
     n = captured.keys.shape[2]

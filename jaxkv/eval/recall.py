@@ -45,9 +45,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import plots
 from jaxkv.attention import common, magicpig, pariskv, pqcache
-from jaxkv.eval import capture as capture_mod
 from jaxkv.attention.method import SparseMethod
+from jaxkv.eval import capture as capture_mod
 from jaxkv.eval import decode_view
 
 SINK, LOCAL = 4, 512  # ParisKV's defaults, used by every method so the pools coincide
@@ -389,10 +390,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name in FOUND_SETS:
@@ -420,6 +418,7 @@ def write_outputs(out: Path, result: dict, table: str, plot_fn) -> None:
 
 
 def main(args) -> int:
+    plots.require()  # before the work: the figure is its last output
     t0 = time.time()
     captured, layers = select_layers(load_capture(args, args.tokens, args.queries), args.layers)
     print(f"{captured.num_layers} layers, {captured.keys.shape[2]} tokens, {args.queries} queries "
