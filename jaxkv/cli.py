@@ -143,17 +143,10 @@ def _study(module: str, args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """Run benchmarks/bench_attention.py (a script of the source tree, not an installed module)."""
-    import importlib.util
+    """Run :mod:`jaxkv.bench.attention` with the flags after ``bench``."""
+    from jaxkv.bench import attention
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
-    if not script.is_file():
-        raise UserError(f"{script} not found: `jaxkv bench` runs from a source checkout")
-    spec = importlib.util.spec_from_file_location("bench_attention", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module.main(args.bench_args)
+    return attention.main(args.bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Every flag (--help included) goes to the script's own parser.
     bench = sub.add_parser("bench", add_help=False,
                            help="attention step time per method and context length "
-                                "(benchmarks/bench_attention.py; --quick for a smoke run)")
+                                "(jaxkv.bench.attention; --quick for a smoke run)")
     bench.set_defaults(run=cmd_bench, passthrough=True)
 
     ev = sub.add_parser("eval", help="studies on the embedded model (tables, JSON, plots)")

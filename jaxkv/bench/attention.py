@@ -1,9 +1,8 @@
 """Per-decode-step attention time of one layer, all heads: dense vs MagicPIG vs ParisKV.
 
-    python benchmarks/bench_attention.py [--quick] [--sizes N ...] [--shapes ...] [--methods ...]
-                                         [--repeats 5] [--loop-steps 8]
-                                         [--out results/bench_attention]
-    jaxkv bench [same flags]
+    jaxkv bench [--quick] [--sizes N ...] [--shapes ...] [--methods ...]
+                [--repeats 5] [--loop-steps 8] [--out results/bench_attention]
+    python benchmarks/bench_attention.py [same flags]
 
 What is timed (jitted, compiled before timing): a step runs ``--loop-steps``
 times, then twice as many, inside one jitted ``fori_loop`` (as generate()'s
@@ -45,7 +44,7 @@ nor drop it.
   one call (under "attend"). They show where the time goes, not parts that
   sum to the looped step.
 
-Keys: synthetic, fitted to SmolLM2's real keys (benchmarks/synthetic_keys.py).
+Keys: synthetic, fitted to SmolLM2's real keys (:mod:`jaxkv.bench.synthetic_keys`).
 Bytes per step are what each stage must read (its floor), and the bandwidth
 reference is measured in the same run: a read (sum) and a copy of 512 MiB.
 Every ratio compares numbers of the same run: the machine is shared and noisy.
@@ -69,12 +68,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import synthetic_keys  # noqa: E402
-
-import models  # noqa: E402
-from jaxkv import cache as kvcache  # noqa: E402
-from jaxkv.attention import common, dense, magicpig, pariskv  # noqa: E402
+import models
+from jaxkv import cache as kvcache
+from jaxkv import plots
+from jaxkv.attention import common, dense, magicpig, pariskv
+from jaxkv.bench import synthetic_keys
 
 GiB = 1 << 30
 # Peak memory of one configuration, in units of its K+V (f32) and of its largest
@@ -102,28 +100,30 @@ SHAPES = (Shape("SmolLM2", 3, 64, 3), Shape("Llama-3.1-8B", 8, 128, 4))
 
 class Method(NamedTuple):
     label: str
-    module: object
+    method: object  # a jaxkv.attention.method.SparseMethod
     config: object
     kv_dtype: object = jnp.float32  # of the cache's K and V rows
 
 
-_NATIVE = {"magicpig-native": ("magicpig K10L150 native", magicpig, magicpig.MagicPIGConfig(kernels="native")),
-           "pariskv-100-native": ("pariskv top100 native", pariskv, pariskv.ParisKVConfig(top_k=100, kernels="native")),
-           "pariskv-2048-native": ("pariskv top2048 native", pariskv,
+_NATIVE = {"magicpig-native": ("magicpig K10L150 native", magicpig.METHOD,
+                                 magicpig.MagicPIGConfig(kernels="native")),
+           "pariskv-100-native": ("pariskv top100 native", pariskv.METHOD,
+                                  pariskv.ParisKVConfig(top_k=100, kernels="native")),
+           "pariskv-2048-native": ("pariskv top2048 native", pariskv.METHOD,
                                    pariskv.ParisKVConfig(top_k=2048, kernels="native"))}
 # name → (label, K and V dtype) of the dense step in jaxkv.native's CPU kernel, run when named.
 DENSE_NATIVE = {"dense-native": ("dense native", jnp.float32), "dense-native-bf16": ("dense native bf16", jnp.bfloat16)}
 # name → Method of every sparse method benchmarked (official defaults).
 METHODS = {
-    "magicpig": Method("magicpig K10L150", magicpig, magicpig.MagicPIGConfig()),
-    "pariskv-100": Method("pariskv top100", pariskv, pariskv.ParisKVConfig(top_k=100)),
-    "pariskv-2048": Method("pariskv top2048", pariskv, pariskv.ParisKVConfig(top_k=2048)),
+    "magicpig": Method("magicpig K10L150", magicpig.METHOD, magicpig.MagicPIGConfig()),
+    "pariskv-100": Method("pariskv top100", pariskv.METHOD, pariskv.ParisKVConfig(top_k=100)),
+    "pariskv-2048": Method("pariskv top2048", pariskv.METHOD, pariskv.ParisKVConfig(top_k=2048)),
     # The same selection in jaxkv.native's CPU kernels (not in the default run: AVX-512 VBMI and VBMI2 only),
     # and with a bfloat16 cache, whose rows the kernels read in place.
     **{name: Method(*spec) for name, spec in _NATIVE.items()},
-    **{f"{name}-bf16": Method(f"{label} bf16", module, cfg, jnp.bfloat16) for name, (label, module, cfg) in _NATIVE.items()},
+    **{f"{name}-bf16": Method(f"{label} bf16", method, cfg, jnp.bfloat16) for name, (label, method, cfg) in _NATIVE.items()},
 }
-DEFAULT_METHODS = [name for name, method in METHODS.items() if not method.config.uses_native()]
+DEFAULT_METHODS = [name for name, method in METHODS.items() if not method.config.kernels.uses_native()]
 
 
 # ---------------------------------------------------------------- timing
@@ -205,12 +205,14 @@ _plus_one = jax.jit(lambda x: x + 1.0, donate_argnums=0)
 
 # ---------------------------------------------------------------- state
 
-class _NoIndex:
-    """A method with no index, for regions_from_prefill: MagicPIG's is built separately, a head at a time."""
+class _MagicPIGIndexApart(magicpig.MagicPIG):
+    """MagicPIG with no index in regions_from_prefill: :func:`magicpig_index` builds it, a head at a time."""
 
-    @staticmethod
-    def build(cfg, keys, n, key=None):
+    def build(self, cfg, keys, values, n, key):
         return ()
+
+    def host_index_fields(self, cfg):
+        return ()  # nothing to place yet: region_state places the index built apart
 
 
 @functools.partial(jax.jit, static_argnames=("method", "mcfg", "ccfg", "capacity"))
@@ -229,12 +231,13 @@ def magicpig_index(cfg, retr_k, n: int):
 
 
 def region_state(method, mcfg, staging_k, staging_v, n: int):
-    """The RegionKV generate() would hold after prefilling n tokens, and its CacheConfig."""
+    """The RegionKV generate() would hold after prefilling n tokens, and its CacheConfig
+    (``method`` a ``jaxkv.attention.method.SparseMethod``)."""
     ccfg = kvcache.CacheConfig(dense_threshold=0).resolve(mcfg)
     capacity = n - ccfg.sink - ccfg.local + ccfg.buffer
     lengths = jnp.full((1,), n, jnp.int32)
-    build_here = method is not magicpig
-    state = _regions(staging_k, staging_v, lengths, method=method if build_here else _NoIndex,
+    build_here = method != magicpig.METHOD
+    state = _regions(staging_k, staging_v, lengths, method=method if build_here else _MagicPIGIndexApart(),
                      mcfg=mcfg, ccfg=ccfg, capacity=capacity)
     if not build_here:
         index = magicpig_index(mcfg, state.retr_k, int(state.retr_len[0]))
@@ -302,7 +305,8 @@ def bench_flush(state, ccfg, method, mcfg, timing: Timing):
     refuses lists that would overflow).
     """
     full = jnp.full_like(state.win_len, ccfg.local + ccfg.buffer)
-    lengths = {f: jnp.copy(getattr(state.index, f)) for f in ("n", "bucket_starts") if hasattr(state.index, f)}
+    fields = ("n", "bucket_starts") if method == magicpig.METHOD else ("n",)
+    lengths = {f: jnp.copy(getattr(state.index, f)) for f in fields}
 
     def body(i, state, retr_len, lengths):
         state = dataclasses.replace(state, win_len=full, retr_len=retr_len,
@@ -322,7 +326,7 @@ def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]
     select = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select_one(mcfg, ix, qq)))
     sel = jax.block_until_ready(select(state.index, qg))
     stages = {"select": time_calls(lambda: select(state.index, qg), repeats)}
-    if method is pariskv:
+    if method == pariskv.METHOD:
         stages.update(pariskv_select_stages(state.index, mcfg, qg, repeats))
     if kvcache.attends_in_place(method, mcfg, state.retr_k):  # one call gathers, corrects and attends
         attend = jax.jit(lambda qq, st, s: kvcache.attend_rows_in_place(qq, st, s, method=method, mcfg=mcfg))
@@ -379,7 +383,7 @@ def step_bytes(method, mcfg, shape: Shape, n: int, ccfg, sel_rows: float, entrie
     d, h = shape.head_dim, shape.kv_heads
     row = 2 * d * jnp.dtype(kv_dtype).itemsize  # one key and value
     exact = (ccfg.sink + ccfg.local + 1) * row
-    if method is pariskv:
+    if method == pariskv.METHOD:
         cap = n - ccfg.sink - ccfg.local + ccfg.buffer
         b = pariskv.n_subspaces(mcfg, d)
         # every key's sign bytes (its bucket ids) are voted on; the candidates' other code bytes reranked
@@ -402,8 +406,9 @@ def sparse_methods(names) -> list[Method]:
 
 def memory_needed(shape: Shape, n: int, names) -> int:
     kv = 2 * n * shape.kv_heads * shape.head_dim * 4
-    index = max((method.index_bytes_per_key(cfg) if method is magicpig else method.index_bytes_per_key(cfg, shape.head_dim)
-                 for _, method, cfg, _ in sparse_methods(names)), default=0) * n * shape.kv_heads
+    index = max((magicpig.index_bytes_per_key(cfg) if method == magicpig.METHOD
+                  else pariskv.index_bytes_per_key(cfg, shape.head_dim)
+                  for _, method, cfg, _ in sparse_methods(names)), default=0) * n * shape.kv_heads
     return KV_COPIES * kv + INDEX_COPIES * index + PROCESS_BYTES
 
 
@@ -447,11 +452,11 @@ def bench_config(shape: Shape, n: int, stats, timing: Timing, bandwidth: dict, n
         build_s = time.perf_counter() - t0
         stages, sel = sparse_stages(state, ccfg, method, mcfg, qg, timing.repeats)
         sel_rows = float(jnp.mean(kvcache.over_batch_heads(lambda s: s.distinct_rows())(sel)))
-        entries = magicpig_entries_read(mcfg, state.index, qg) if method is magicpig else 0.0
+        entries = magicpig_entries_read(mcfg, state.index, qg) if method == magicpig.METHOD else 0.0
         cap = state.retr_k.shape[2]
         row = {"shape": shape.name, "N": n, "method": label, "build_s": build_s,
                "index_B_per_token_head": nbytes(state.index) / (cap * shape.kv_heads),
-               "index_formula_B_per_token_head": (magicpig.index_bytes_per_key(mcfg) if method is magicpig
+               "index_formula_B_per_token_head": (magicpig.index_bytes_per_key(mcfg) if method == magicpig.METHOD
                                                   else pariskv.index_bytes_per_key(mcfg, shape.head_dim)),
                "rows_gathered_per_head": sel_rows, "index_entries_read_per_head": entries,
                "bytes": step_bytes(method, mcfg, shape, n, ccfg, sel_rows, entries, kv_dtype), "stages": stages}
@@ -530,10 +535,7 @@ def markdown(rows: list[dict], skipped: list[str], bandwidth: dict, meta: dict) 
 
 
 def plot(rows: list[dict], path: Path, bandwidth: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     shapes = sorted({r["shape"] for r in rows})
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
@@ -563,7 +565,7 @@ def write_results(out: Path, rows, skipped, bandwidth, meta) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="jaxkv bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: SmolLM2 shape, N = 8k and 16k")
     parser.add_argument("--sizes", type=int, nargs="+", help="key counts N (default 16k 64k 256k 1M)")
     parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], help="head shapes (default both)")
@@ -577,6 +579,7 @@ def main(argv=None) -> int:
     parser.add_argument("--stats", default="results/bench_attention/smollm2_key_stats.npz",
                         help="fitted SmolLM2 key statistics (computed by a prefill when missing)")
     args = parser.parse_args(argv)
+    plots.require()  # before the work: the figure is its last output
     sizes = args.sizes or ([1 << 13, 1 << 14] if args.quick else [1 << 14, 1 << 16, 1 << 18, 1 << 20])
     shapes = [s for s in SHAPES if s.name in (args.shapes or ([SHAPES[0].name] if args.quick else [s.name for s in SHAPES]))]
     out = Path(args.out)
