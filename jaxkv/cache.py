@@ -173,9 +173,8 @@ def scatter_rows(store, idx, rows, ccfg):
 def over_batch_heads(f):
     """vmap over batch and KV heads, as one vmap over their B·H pairs.
 
-    Every argument leads with [B, H]. One batch dimension instead of two: XLA CPU
-    compiles gathers with two batch dimensions ~2–3× slower (ParisKV's select
-    over 3 heads × 262,144 keys: 88 vs 38 ms, the same process).
+    Every argument leads with [B, H]. One batch dimension instead of two: XLA CPU's
+    gathers with two are slower (docs/results/implementation_notes.md, "The cache").
     """
     def over_pairs(*args):
         b, h = jax.tree.leaves(args)[0].shape[:2]
@@ -187,10 +186,9 @@ def over_batch_heads(f):
 def _over_batch_heads_for_insert(method, mcfg):
     """over_batch_heads, or two nested vmaps for a method whose insert rewrites its index in
     place (``method.inserts_in_place(mcfg)``: MagicPIG's CPU merge). The nested vmaps hand
-    the in-place call the [B, H, ...] buffers themselves; the reshape to B·H pairs made XLA
-    copy every id list twice per flush (SmolLM2 shape at 64k keys: 21.0 vs 3.7 ms a flush)."""
-    in_place = hasattr(method, "inserts_in_place") and method.inserts_in_place(mcfg)
-    return (lambda f: jax.vmap(jax.vmap(f))) if in_place else over_batch_heads
+    the in-place call the [B, H, ...] buffers themselves; a reshape to B·H pairs makes XLA
+    copy them (docs/results/implementation_notes.md, "The cache")."""
+    return (lambda f: jax.vmap(jax.vmap(f))) if method.inserts_in_place(mcfg) else over_batch_heads
 
 
 def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: CacheConfig,

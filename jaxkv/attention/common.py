@@ -156,7 +156,7 @@ def _bits_before(words: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(set bits per word, set bits in the words before it), int32 [W] each."""
     counts = jax.lax.population_count(words).astype(jnp.int32)
     # Running sums and maxima here are associative scans: jnp.cumsum and lax.cummax lower to
-    # a reduce-window on XLA CPU (1.2 ms for 3 × 26,214 slots in the looped ParisKV step).
+    # a slow reduce-window on XLA CPU (docs/results/implementation_notes.md, "Selections").
     return counts, jax.lax.associative_scan(jnp.add, counts) - counts
 
 
@@ -201,9 +201,8 @@ def compact_rows(mask: jax.Array, size: int, fill: int = 0) -> jax.Array:
     (XLA CPU runs a scatter one update at a time): the mask is packed into
     32-row words; each word that holds a True writes its index into the slot of
     its first True (N/32 updates), a running max hands it to the slots after,
-    and a slot's row is found inside its word by popcounts. 3 heads × 262,140
-    rows into 26,214 slots (a probe of this scheme with lax.cummax, looped):
-    6.5 ms for the scatter of every row it replaces, 1.7 ms.
+    and a slot's row is found inside its word by popcounts
+    (docs/results/implementation_notes.md, "Selections").
     """
     return compact_words(pack_words(mask), size, fill)
 

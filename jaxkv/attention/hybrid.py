@@ -1,39 +1,10 @@
-"""Hybrid: retrieve the head of the attention exactly, estimate the tail.
+"""Hybrid, for one KV head: retrieve the head of the attention exactly, estimate the tail.
 
-One KV head (query group q[G, d], keys [N, d]); batch and heads come from vmap.
-
-- Head: ParisKV's retrieval (coarse votes + RSQ-IP rerank) picks ``top_k`` rows
-  of the retrieval region; they are attended exactly, like sink + local + buffer.
-- Tail, two estimators (``tail``):
-
-  ``"regression"`` (default) reads no K/V row. The tail is ParisKV's candidates
-  minus the head. Their scores come from the RSQ codes the rerank already read
-  (ŝ_i = ‖q_g‖⟨k̃_i, q̃_g⟩/√d per query head, k̃_i = :func:`rsq.reconstruct`), and
-  their values from a least-squares map fitted over the region,
-  v̂_i = [k̃_i, 1]·A (K and V are both projections of the same hidden states, so
-  the key code predicts much of the value; A is refitted from running sums at
-  every insert). The tail's partial is then
-  Σ_i e^{ŝ_i} v̂_i = [Σ_i e^{ŝ_i} k̃_i, Σ_i e^{ŝ_i}]·A: one small matmul, merged
-  with the exact partials by log-sum-exp. It is biased (keys outside the
-  candidates are left out; v̂ is a regression) but has no sampling noise and
-  costs no budget: docs/results/hybrid.md measures it against both papers.
-
-  ``"lsh"``: MagicPIG's SimHash sampling over the retrieval region *minus* the
-  head; a sampled row i gets the score correction −log u_i (u_i its inclusion
-  probability). Both parts travel in one :class:`common.Selection` (idx = head
-  slots then tail slots, mask [G, C], log_weight 0 on head slots and −log u on
-  tail slots), so the cache's single gather and softmax compute
-
-      ô = (Σ_E e^{s_j} v_j + Σ_H e^{s_i} v_i + Σ_{T∩S} e^{s_i}/u_i · v_i)
-          / (Σ_E e^{s_j}   + Σ_H e^{s_i}   + Σ_{T∩S} e^{s_i}/u_i)
-
-  with E the exact regions, H the head, T = retrieval − H the tail and S the LSH
-  sample. H is a deterministic function of (q, keys), independent of the LSH
-  projection, so given H both tail sums are Horvitz–Thompson estimates, unbiased
-  for Σ_T e^{s_i} v_i and Σ_T e^{s_i}. Rows in both H and S are read once (their
-  tail slot is masked out). ``top_k = 0`` is MagicPIG, exactly.
-
-  ``"none"``: the head alone, i.e. ParisKV, exactly.
+The head is ParisKV's top-k, attended exactly like the sink, local and buffer tokens.
+The tail (``HybridConfig.tail``) is either ``"regression"`` (ParisKV's other candidates,
+scored from their RSQ codes, their values from a least-squares map of the codes: no K/V
+row read), ``"lsh"`` (MagicPIG's importance-corrected sample of the rest) or ``"none"``
+(ParisKV alone). Without a head it is MagicPIG. docs/results/hybrid.md measures it.
 """
 from __future__ import annotations
 
@@ -180,10 +151,9 @@ def _features(recon: jax.Array) -> jax.Array:
 def _fit(gram: jax.Array, cross: jax.Array) -> jax.Array:
     """The ridge solution A of (gram + ridge)·A = cross.
 
-    By Jacobi-preconditioned conjugate gradients, not ``jnp.linalg.solve``: XLA
-    CPU runs LAPACK as a custom call that, inside the cache's big vmapped build,
-    deadlocked its intra-op thread pool (a 30-layer build never returned; the
-    same build without the solve took 19 s). CG is plain XLA ops on every backend.
+    By Jacobi-preconditioned conjugate gradients, not ``jnp.linalg.solve``: XLA CPU's
+    LAPACK custom call deadlocked its thread pool inside the cache's vmapped build
+    (docs/results/hybrid.md, "The solve"). CG is plain XLA ops on every backend.
     """
     system = gram + jnp.diag(RIDGE * jnp.diagonal(gram) + 1e-30)  # + ε: an empty region fits A = 0
     diagonal = jnp.diagonal(system)

@@ -1,63 +1,10 @@
-"""MagicPIG: SimHash LSH sampling with an importance-corrected softmax.
+"""MagicPIG: SimHash LSH sampling with an importance-corrected softmax, for one KV head.
 
-For one KV head (query group q[G, d]; keys [N, d]) and one layer:
-
-- keys are centred with μ, the mean of the retrieval-region keys at build time
-  (queries are not centred; the softmax is unchanged since every score shifts
-  by q·μ). μ is never retrained: keys inserted later are centred with it.
-- SimHash: a Gaussian projection R[d, K·L]; table l's code of x is the K sign
-  bits of x·R[:, lK:(l+1)K], packed into a uint16 (K ≤ 16). By default R is
-  :func:`projection`, drawn from ``cfg.seed`` for every layer and KV head alike,
-  as in the official code. It is then a constant of the compiled step, not index
-  state: a layer's query hashing reads 384 KB (d = 64, K10L150), not the 1.15 MB
-  of three heads' copies it read when each index stored one (a SmolLM2 token at
-  8k, XLA's trace: 84 against 137 µs a sparse layer). A study of the estimator
-  over random projections passes a PRNG key to :func:`build`, and the index
-  keeps the matrix drawn from it.
-- a key is sampled for query head g iff its code equals g's in at least
-  ``min_hits`` (2) of the L tables; its inclusion probability is
-  u = P(Binomial(L, p^K) ≥ min_hits), p = 1 − θ/π, θ the angle between q_g and
-  k − μ; the estimate is the softmax over [s_i − log u_i, sampled] ∪ [s_j, exact
-  sink + local], merged by log-sum-exp (``common.merge``).
-
-Index layout (an inverted index, not an N×L code comparison): per table, the
-key ids sorted by (code, id) ``sorted_ids[L, cap]`` and the bucket boundaries
-``bucket_starts[L, 2^K + 1]``; bucket b of table l is
-``sorted_ids[l, bucket_starts[l, b]:bucket_starts[l, b + 1]]``. A query reads
-one bucket range per table. Index memory: L int32 ids per key (600 B at
-L = 150, as in the official code) plus L·(2^K + 1) int32 starts per KV head.
-
-Insertion (the update buffer hands over U keys at a time) merges the new keys
-into each table in one linear pass: an old entry moves right by the number of
-new keys in smaller buckets, a new entry lands after the old entries of its
-bucket. Ids are appended in increasing order, so the result equals building the
-index from all keys at once, bit for bit. The merge rewrites the index (4·L
-bytes per key) once per U decode steps. In bytes that is little (600 B per key
-every 64 steps at K10L150, ≈ 9 B per key per step), but every slot of every table moves, and on
-XLA CPU that is ≈ 0.7 s per flush at 262k keys × 3 heads (U = 64: 11 ms per
-step; docs/results/performance.md, "2026-12-01, later"). An unsorted segment
-of recent keys, matched by comparing codes and merged far less often, is what
-would remove it; not built.
-(Measured on the shared 2-core CPU, K10L150, 65k keys: merging 512 keys took
-≈1.4 s, building from scratch ≈2.4–3.3 s, half of it the [N, d]×[d, K·L]
-hashing matmul and half the per-table sort.)
-
-Static capacities and what happens when they overflow (both are reported by
-:func:`select_with_stats`, never silent):
-
-- ``candidate_capacity``: inverted-index entries read per query head, over all
-  tables. When the query's buckets hold more, only the first L' tables that fit
-  are read and u is computed with L' tables, so the estimator stays consistent
-  with what was read (``SelectStats.tables_used`` < L).
-- ``capacity``: sampled keys per KV head (the union over the G query heads).
-  Keys beyond it are dropped, highest ids first (``SelectStats.truncated``).
-
-Numerics, where the official code is weak: the cosine is clamped to [−1, 1]
-and is 0 for a zero-norm query or centred key (the hash of a zero vector is
-degenerate; p = 1/2 keeps the weight finite); log u is computed in log space
-without cancellation (see :func:`collision_log_prob`) instead of
-log(u + 1e-4); an empty sample set gives an empty partial; contexts of at most
-sink + local keys are attended exactly.
+Keys, centred by the retrieval region's mean μ, get a K-bit SimHash code in each of L
+tables; a key is sampled for a query head when its code equals the query's in at least
+``min_hits`` tables, and its score is corrected by −log u (u its inclusion probability,
+computed in log space). The index is inverted: per table, the key ids sorted by code.
+Formulas and parameters: docs/methods/magicpig.md.
 """
 from __future__ import annotations
 
@@ -313,7 +260,9 @@ def collision_log_prob(cos_theta: jax.Array, K: int, L, min_hits: int = 2) -> ja
 
 def projection(cfg: MagicPIGConfig, d: int) -> np.ndarray:
     """The SimHash hyperplanes R[d, K·L] for head size d: float32 N(0, 1) entries drawn
-    from ``cfg.seed``, one matrix for every layer and KV head (a read-only constant)."""
+    from ``cfg.seed``, one matrix for every layer and KV head (a read-only constant), as in
+    the official code. A constant of the compiled step, not index state: a query's hashing
+    reads one matrix, not a copy per head (docs/results/implementation_notes.md, "MagicPIG")."""
     return common.seeded_constant(jax.random.normal, cfg.seed, (d, cfg.K * cfg.L))
 
 
@@ -351,8 +300,8 @@ def _masked_codes(cfg, proj, mu, keys, count):
 def _sort_codes(codes, n_buckets):
     """(codes sorted, their row positions), ties in row order; codes lie in [0, n_buckets].
 
-    Sorting one packed int32 key (code·U + row) is ≈10× faster on XLA CPU than
-    a stable argsort (measured: 150 tables × 3,932 keys, 23 ms vs 218 ms).
+    One packed int32 key (code·U + row) sorts far faster on XLA CPU than a stable
+    argsort (docs/results/implementation_notes.md, "MagicPIG").
     """
     u = codes.shape[0]
     if (n_buckets + 1) * u < 2**31:
@@ -409,17 +358,16 @@ def _merge_table(sorted_ids, starts, new_codes, n):
     # next new key where one lands, else the old entry shifted right by the
     # new keys landed at or before t.
     is_new = jnp.zeros(cap, bool).at[new_target].set(True, mode="drop")
-    # By popcounts of the packed slots: jnp.cumsum over every slot is a reduce-window on
-    # XLA CPU (490 ms of a 1 s flush at 262k keys × 3 heads, XLA's per-thunk trace).
+    # By popcounts of the packed slots: jnp.cumsum over every slot is a slow reduce-window
+    # on XLA CPU (docs/results/implementation_notes.md, "MagicPIG").
     new_upto = common.set_bits_through(common.pack_words(is_new))[:cap]
     old_entry = sorted_ids[jnp.maximum(slot - new_upto, 0)]
     merged = jnp.where(is_new, n + new_rows[jnp.maximum(new_upto - 1, 0)],
                        jnp.where(slot < n + jnp.sum(live), old_entry, 0))
     # No bucket has more new keys before it than landed in all (new_upto[-1]):
-    # the clamp changes nothing, but it schedules the new starts after the
-    # merge. Computed first, they took a buffer of their own in XLA CPU and the
-    # untaken branch of the flush cond copied every table's starts on every
-    # decode step (twice per layer: 15 ms of a 236 ms MagicPIG token at 8k).
+    # the clamp changes nothing, but it schedules the new starts after the merge, so
+    # they share its buffer and the flush cond's untaken branch copies no table's starts
+    # (docs/results/implementation_notes.md, "MagicPIG").
     return merged, starts + jnp.minimum(new_before, new_upto[-1])
 
 
@@ -605,6 +553,35 @@ def _cosine(q: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.where(norms > 0, dots / jnp.where(norms > 0, norms, 1.0), 0.0)
 
 
+@_jit_with_static_cfg
+def correction(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, k_rows: jax.Array,
+               selection: common.Selection) -> jax.Array:
+    """Importance correction −log u [G, C] for the gathered rows k_rows[C, d] (0 where unsampled).
+
+    Where the official code is weak: the cosine is clamped to [−1, 1] and is 0 for a
+    zero query or centred key (p = 1/2 keeps the weight finite), and log u is computed
+    without cancellation (:func:`collision_log_prob`), not as log(u + 1e-4).
+    """
+    _, _, _, tables_used = _query_buckets(cfg, index, q)
+    cos = _cosine(q, k_rows.astype(jnp.float32) - index.mu)
+    log_u = collision_log_prob(cos, cfg.K, tables_used[:, None], cfg.min_hits)
+    return jnp.where(selection.mask, -jnp.maximum(log_u, LOG_U_FLOOR), 0.0)
+
+
+@_jit_with_static_cfg
+def attend_in_place(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, keys: jax.Array, values: jax.Array,
+                    selection: common.Selection) -> common.Partial:
+    """The partial of q[G, d] over the selection's rows of keys, values [cap, d], each score
+    corrected by :func:`correction`: what gathering the rows and ``common.partial_attention``
+    give, in one ``jaxkv.native`` kernel that reads the rows where they lie (host memory
+    included) and evaluates the correction only for the (head, row) pairs sampled."""
+    _, tables_used, _ = _native_query_buckets(cfg, index, q)  # select's call: XLA keeps one of the two
+    o, l, m = native.magicpig_attend(q, keys, values, index.mu, selection.idx, selection.mask, tables_used,
+                                     K=cfg.K, min_hits=cfg.min_hits, tail_terms=TAIL_TERMS,
+                                     log_u_floor=LOG_U_FLOOR, masked_score=common.MASKED_SCORE)
+    return common.Partial(o=o, l=l, m=m)
+
+
 class MagicPIG(SparseMethod):
     """MagicPIG through the cache's interface: LSH sampling, the −log u correction slot by slot."""
 
@@ -648,35 +625,6 @@ class MagicPIG(SparseMethod):
 
 
 METHOD = MagicPIG()
-
-
-@_jit_with_static_cfg
-def correction(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, k_rows: jax.Array,
-               selection: common.Selection) -> jax.Array:
-    """Importance correction −log u [G, C] for the gathered rows k_rows[C, d] (0 where unsampled).
-
-    Where the official code is weak: the cosine is clamped to [−1, 1] and is 0 for a
-    zero query or centred key (p = 1/2 keeps the weight finite), and log u is computed
-    without cancellation (:func:`collision_log_prob`), not as log(u + 1e-4).
-    """
-    _, _, _, tables_used = _query_buckets(cfg, index, q)
-    cos = _cosine(q, k_rows.astype(jnp.float32) - index.mu)
-    log_u = collision_log_prob(cos, cfg.K, tables_used[:, None], cfg.min_hits)
-    return jnp.where(selection.mask, -jnp.maximum(log_u, LOG_U_FLOOR), 0.0)
-
-
-@_jit_with_static_cfg
-def attend_in_place(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, keys: jax.Array, values: jax.Array,
-                    selection: common.Selection) -> common.Partial:
-    """The partial of q[G, d] over the selection's rows of keys, values [cap, d], each score
-    corrected by :func:`correction`: what gathering the rows and ``common.partial_attention``
-    give, in one ``jaxkv.native`` kernel that reads the rows where they lie (host memory
-    included) and evaluates the correction only for the (head, row) pairs sampled."""
-    _, tables_used, _ = _native_query_buckets(cfg, index, q)  # select's call: XLA keeps one of the two
-    o, l, m = native.magicpig_attend(q, keys, values, index.mu, selection.idx, selection.mask, tables_used,
-                                     K=cfg.K, min_hits=cfg.min_hits, tail_terms=TAIL_TERMS,
-                                     log_u_floor=LOG_U_FLOOR, masked_score=common.MASKED_SCORE)
-    return common.Partial(o=o, l=l, m=m)
 
 
 @_jit_with_static_cfg

@@ -1,28 +1,10 @@
-"""ParisKV retrieval: data-independent sign-pattern buckets, six-tier voting, RSQ-IP rerank.
+"""ParisKV retrieval for one KV head: sign-pattern buckets, six-tier voting, RSQ-IP rerank.
 
-One KV head (query group q[G, d], keys [N, d]); batch and heads come from vmap.
-
-Pipeline (DESIGN.md, "ParisKV"):
-1. ``rotate``: k̂ = k/‖k‖, zero-pad to P = the next power of two ≥ d, y = H·D·k̂/√P
-   (D a ±1 diagonal regenerated from ``cfg.seed``, H the Sylvester–Hadamard matrix).
-2. ``bucket_ids``: y splits into B = P/m subspaces; each key's bucket in subspace b
-   is its sign pattern (bit j set iff coordinate j of the subspace is ≥ 0). The
-   2^m centroids ±1/√m are fixed, so inserting keys never retrains anything.
-3. ``vote_table`` / ``coarse_votes``: per subspace the query ranks the 2^m patterns;
-   walking them in order, a pattern lands in the first tier t whose cap
-   ``n·collision_ratio·TIER_FRACTIONS[t]`` still covers the keys counted so far
-   (cumulative, including this pattern); a key gets 6 − t votes there (0 past
-   the last tier). Ties in the ranking go to the lower pattern id.
-4. the top ``n_candidates`` keys by votes are reranked by RSQ-IP (``rsq``), and
-   the best ``top_k`` by estimated ⟨k, q̄⟩ are attended exactly.
-
-Static sizes: the candidate count and the length-adaptive ratios are resolved
-from the index *capacity* (a static shape), never from the valid count n; the
-tier caps use n (data). The index keeps per-(subspace, bucket) key counts,
-updated at insertion, so the tiers need no pass over the keys at query time.
-Code layout (shared with ``pallas_kernels``): see ``rsq`` — nibble
-``(sign_bit << 3) | magnitude_index``, sign bit set for NEGATIVE coordinates,
-low nibble = even coordinate.
+Keys are normalised and rotated (``rotate``); each subspace of m coordinates buckets a key
+by its sign pattern (``bucket_ids``: fixed centroids, so inserting never retrains); the
+query's vote table ranks the patterns into tiers (``vote_table``), the most-voted keys are
+reranked from their 4-bit RSQ-IP codes (``rsq``), and the best ``top_k`` are attended
+exactly. Formulas and parameters: docs/methods/pariskv.md.
 """
 from __future__ import annotations
 
@@ -282,7 +264,7 @@ def vote_table(cfg: ParisKVConfig, q_rot: jax.Array, n, bucket_counts: jax.Array
     pattern_scores, caps = pattern_scores_and_caps(cfg, q_rot, n, capacity)
     # covered[b, p]: keys in the buckets ranked at or before p (score descending, ties
     # to the lower pattern) — a comparison matrix times the counts, not an argsort
-    # (XLA CPU's sort of the 2^m patterns cost ≈ 0.8 ms per step for 3 heads at any N).
+    # (slow on XLA CPU: docs/results/implementation_notes.md, "ParisKV").
     # The product is a dot, so the table stays materialised: a table built by
     # gathers was fused into the per-key lookup and recomputed for every key.
     patterns = jnp.arange(pattern_scores.shape[-1])
@@ -341,8 +323,8 @@ def top_indices(values: jax.Array, k: int) -> jax.Array:
     """Positions [k] of the k largest values[N], ties to the lower position: lax.top_k's answer.
 
     The final top-k's selection (the coarse stage uses :func:`most_voted_rows`).
-    When N ≥ 2·k·SELECTION_BLOCK it runs in two exact stages (DESIGN.md's cost
-    table: ~8× cheaper than lax.top_k on CPU for k = 100 at 1M): the k blocks
+    When N ≥ 2·k·SELECTION_BLOCK it runs in two exact stages, far cheaper than
+    lax.top_k on XLA CPU (docs/results/implementation_notes.md, "ParisKV"): the k blocks
     with the largest maxima hold every top-k element
     (a block left out has k blocks whose maxima precede its best), and taking
     those blocks in ascending order keeps lax.top_k's tie order.
@@ -454,8 +436,8 @@ def attend_in_place(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, keys:
     """The partial of q[G, d] over the selection's rows of keys, values [cap, d] in one
     ``jaxkv.native`` call that reads the rows where they lie (host memory included):
     ``common.partial_attention`` over gathered copies gives the same, up to float32 rounding.
-    The top-k's rows lie scattered over the region: XLA's gather copied them one at a time,
-    waiting on each (1.3 ms of a 3.2 ms top-2048 step at 256k keys, SmolLM2 shape)."""
+    The top-k's rows lie scattered over the region, and XLA's gather copies them one at a
+    time (docs/results/implementation_notes.md, "ParisKV")."""
     mask = jnp.broadcast_to(selection.mask, (q.shape[0], selection.idx.shape[-1]))
     o, l, m = native.attend_rows(q, keys, values, selection.idx, mask, masked_score=common.MASKED_SCORE)
     return common.Partial(o=o, l=l, m=m)
