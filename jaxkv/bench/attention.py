@@ -355,7 +355,7 @@ def pariskv_select_stages(index, cfg, qg, repeats) -> dict:
     candidates = coarse(index, qg)
     stages = {"coarse": time_calls(lambda: coarse(index, qg), repeats),
               "rerank": time_calls(lambda: rerank(index, qg, candidates), repeats)}
-    if cfg.uses_native():  # the CPU kernel counts the votes and takes the top-C in one call
+    if cfg.kernels.uses_native():  # the CPU kernel counts the votes and takes the top-C in one call
         return stages
     votes = jax.jit(kvcache.over_batch_heads(
         lambda ix, qq: pariskv.coarse_votes(cfg, ix, pariskv.rotate(cfg, jnp.mean(qq, axis=0)))))
