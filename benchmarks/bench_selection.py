@@ -9,7 +9,7 @@ set can be found without a top-k: the largest threshold t with at least C keys
 voting ≥ t, every key above t, and the lowest-numbered keys at t until C (the
 ties lax.top_k keeps). This script times, for the 3 KV heads of SmolLM2 (vmapped,
 as the decode step runs them) over real ParisKV votes of keys synthesised from
-SmolLM2's statistics (benchmarks/synthetic_keys.py):
+SmolLM2's statistics (jaxkv.bench.synthetic_keys):
 
 - ``lax_top_k``: ``pariskv.top_indices`` on float32 votes (the code until 2026-11-30);
 - ``threshold``: ``pariskv.most_voted_rows`` — t by bisection over the vote values
@@ -37,10 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import synthetic_keys  # noqa: E402
-
-from jaxkv.attention import pariskv  # noqa: E402
+from jaxkv.attention import pariskv
+from jaxkv.bench import synthetic_keys
 
 ROW_BITS = 20  # packed_sort: rows < 2^20 (1M keys)
 

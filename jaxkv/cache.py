@@ -1,32 +1,16 @@
-"""KV caches for generate(): the dense cache and the four-region cache.
+"""The four-region KV cache of a sparse layer, and what generate() plugs in per layer.
 
-Four regions per layer and sequence (DESIGN.md), by token position p:
-
-    sink      p < S                          exact, device
-    retrieval S <= p < S + retr_len          full precision in host memory,
-                                             reached only through the method's index
-                                             (whose bulk, e.g. MagicPIG's id lists,
-                                             sits in host memory too)
-    window    the rest, in position order    exact, device: the `local` tokens
-              (W <= win_len <= W + U)        plus the update buffer
-
-Prefill leaves at most W tokens in the window. Each decode step appends to the
-window; when it holds W + U tokens, the oldest U move to retrieval and are
-inserted into the index (the "flush"), so the exact regions never grow. A
-prompt shorter than S + W keeps everything exact until enough tokens arrive.
-
-Static shapes: every array has a fixed capacity; the lengths are data. The
-retrieval capacity is sized by generate() from the request (prompt + new
-tokens), so nothing is ever dropped; asking for more raises before running.
-
-Batches flush together: the flush runs (under one lax.cond) when any row's
-window is full, and rows that are not full move zero tokens.
+Per layer and sequence: the sink (first S tokens, exact), the retrieval region
+(host memory, reached through the method's index) and the window (the local W
+tokens plus the update buffer of U, exact). A full window moves its oldest U
+tokens into retrieval and the index (the flush). Shapes are static, lengths are
+data; a sparse method plugs in through the hooks of ``jaxkv.attention.method``.
+docs/architecture.md draws the regions and the data path of a step.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from typing import Any
 
 import jax
@@ -35,28 +19,9 @@ import jax.numpy as jnp
 import models
 from jaxkv import native
 from models import row_values, rows_to_store, stored_rows
-from jaxkv.attention import common, dense
+from jaxkv.attention import common, dense, registry
+from jaxkv.attention.method import SparseMethod
 from pallas_kernels import dispatch
-
-# name → (module, config class); imported on first use.
-METHODS = {
-    "hybrid": ("jaxkv.attention.hybrid", "HybridConfig"),
-    "magicpig": ("jaxkv.attention.magicpig", "MagicPIGConfig"),
-    "pariskv": ("jaxkv.attention.pariskv", "ParisKVConfig"),
-    "pqcache": ("jaxkv.attention.pqcache", "PQCacheConfig"),
-    "topk": ("jaxkv.attention.topk", "TopKConfig"),
-}
-
-
-def method_module(name: str):
-    """The module implementing sparse method `name` (build/insert/select/correction)."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose one of: dense, {', '.join(METHODS)}")
-    return importlib.import_module(METHODS[name][0])
-
-
-def method_config_class(name: str):
-    return getattr(method_module(name), METHODS[name][1])
 
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
@@ -73,7 +38,7 @@ class CacheConfig:
     dense_threshold: contexts shorter than this are attended exactly (every
     retrieval row read). None = ParisKV's rule max(2000, S + W + 2·top_k);
     0 disables the fallback.
-    offload: keep retrieval K/V and the index's bulk fields (a method's
+    offload: keep retrieval K/V and the index's bulk fields (the method's
     ``host_index_fields(mcfg)``) in pinned host memory (False: on the device).
     slot_block: slots of a selection gathered and attended at a time on the
     XLA path, for a method whose correction is slot-wise (MagicPIG): blocks
@@ -98,13 +63,16 @@ class CacheConfig:
             raise ValueError("CacheConfig.buffer must be >= 1: the update buffer is how keys reach the index")
 
     def resolve(self, method_cfg) -> "CacheConfig":
-        """Concrete sizes: this config's values, else the method config's."""
-        sink = self.sink if self.sink is not None else method_cfg.sink
-        local = self.local if self.local is not None else method_cfg.local
-        buffer = self.buffer if self.buffer is not None else getattr(method_cfg, "buffer", local) or 64
-        top_k = getattr(method_cfg, "top_k", 0)
+        """Concrete sizes: this config's values, else the defaults of the method of
+        ``method_cfg`` (its ``regions`` and ``top_k`` hooks)."""
+        method = registry.for_config(method_cfg)
+        defaults = method.regions(method_cfg)
+        sink = self.sink if self.sink is not None else defaults.sink
+        local = self.local if self.local is not None else defaults.local
+        default_buffer = local if defaults.buffer is None else defaults.buffer
+        buffer = self.buffer if self.buffer is not None else default_buffer or 64
         threshold = (self.dense_threshold if self.dense_threshold is not None
-                     else max(2000, sink + local + 2 * top_k))
+                     else max(2000, sink + local + 2 * method.top_k(method_cfg)))
         return dataclasses.replace(self, sink=sink, local=local, buffer=buffer, dense_threshold=threshold)
 
 
@@ -178,22 +146,16 @@ def _host_index_take(array, flat_idx):
     return host_take(array.reshape(-1), flat_idx)
 
 
-def host_index_fields(method, mcfg) -> tuple[str, ...]:
-    """The index fields that live in host memory with offload: the method's
-    ``host_index_fields(mcfg)``, none for a method without it."""
-    return method.host_index_fields(mcfg) if hasattr(method, "host_index_fields") else ()
-
-
-def method_select(method, mcfg, ccfg):
+def method_select(method: SparseMethod, mcfg, ccfg):
     """method.select as the cache calls it: host-resident index fields read by host gather."""
-    if ccfg.offload and host_index_fields(method, mcfg):
+    if ccfg.offload and method.host_index_fields(mcfg):
         return functools.partial(method.select, take=_host_index_take)
     return method.select
 
 
 def place_index(index, method, mcfg, ccfg, *, host: bool):
-    """The index with the method's bulk fields (:func:`host_index_fields`) in host (or device) memory."""
-    fields = host_index_fields(method, mcfg)
+    """The index with the method's bulk fields (``method.host_index_fields``) in host (or device) memory."""
+    fields = method.host_index_fields(mcfg)
     move = _host if host else _device
     return dataclasses.replace(index, **{f: move(getattr(index, f), ccfg) for f in fields}) if fields else index
 
@@ -211,9 +173,8 @@ def scatter_rows(store, idx, rows, ccfg):
 def over_batch_heads(f):
     """vmap over batch and KV heads, as one vmap over their B·H pairs.
 
-    Every argument leads with [B, H]. One batch dimension instead of two: XLA CPU
-    compiles gathers with two batch dimensions ~2–3× slower (ParisKV's select
-    over 3 heads × 262,144 keys: 88 vs 38 ms, the same process).
+    Every argument leads with [B, H]. One batch dimension instead of two: XLA CPU's
+    gathers with two are slower (docs/results/implementation_notes.md, "The cache").
     """
     def over_pairs(*args):
         b, h = jax.tree.leaves(args)[0].shape[:2]
@@ -225,10 +186,9 @@ def over_batch_heads(f):
 def _over_batch_heads_for_insert(method, mcfg):
     """over_batch_heads, or two nested vmaps for a method whose insert rewrites its index in
     place (``method.inserts_in_place(mcfg)``: MagicPIG's CPU merge). The nested vmaps hand
-    the in-place call the [B, H, ...] buffers themselves; the reshape to B·H pairs made XLA
-    copy every id list twice per flush (SmolLM2 shape at 64k keys: 21.0 vs 3.7 ms a flush)."""
-    in_place = hasattr(method, "inserts_in_place") and method.inserts_in_place(mcfg)
-    return (lambda f: jax.vmap(jax.vmap(f))) if in_place else over_batch_heads
+    the in-place call the [B, H, ...] buffers themselves; a reshape to B·H pairs makes XLA
+    copy them (docs/results/implementation_notes.md, "The cache")."""
+    return (lambda f: jax.vmap(jax.vmap(f))) if method.inserts_in_place(mcfg) else over_batch_heads
 
 
 def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: CacheConfig,
@@ -257,7 +217,7 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     retr_k = k[:, :, s:s + capacity]
     retr_v = v[:, :, s:s + capacity]
     n = jnp.broadcast_to(retr_len[:, None], (b, h))
-    index = over_batch_heads(lambda kk, vv, nn: common.build_index(method, mcfg, kk, vv, nn, key))(
+    index = over_batch_heads(lambda kk, vv, nn: method.build(mcfg, kk, vv, nn, key))(
         row_values(retr_k), row_values(retr_v), n)
     index = place_index(index, method, mcfg, ccfg, host=True)
     return RegionKV(
@@ -298,7 +258,7 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
     # Inserting permutes whole id lists: host-resident index fields visit the
     # device once per flush (every U steps), not once per step.
     index = place_index(state.index, method, mcfg, ccfg, host=False)
-    insert = lambda ix, kk, vv, c: common.insert_index(method, mcfg, ix, kk, vv, c)
+    insert = lambda ix, kk, vv, c: method.insert(mcfg, ix, kk, vv, c)
     index = _over_batch_heads_for_insert(method, mcfg)(insert)(index, moved_k, moved_v, count)
     index = place_index(index, method, mcfg, ccfg, host=True)
     moved = jnp.where(full, u, 0)
@@ -401,8 +361,8 @@ def _window_partial_in_place(q, state: RegionKV) -> common.Partial:
 
 
 def _sink_partial_in_place(q, state: RegionKV) -> common.Partial:
-    """The sink's partial by ``jaxkv.native.attend_rows``, as the window's: a few percent of a
-    short ParisKV step (16k keys) against XLA's two small dot fusions, never slower."""
+    """The sink's partial by ``jaxkv.native.attend_rows``, as the window's (never slower than
+    XLA's two small dot fusions)."""
     b, s = state.sink_k.shape[0], state.sink_k.shape[2]
     slots = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
     return _partial_in_place(q, state.sink_k, state.sink_v, slots, slots < state.sink_len[:, None])
@@ -455,8 +415,8 @@ def _attend_rows_by_blocks(q, state: RegionKV, sel, *, method, mcfg, ccfg) -> co
     """:func:`_attend_rows` over blocks of ``ccfg.slot_block`` slots, up to the last used one.
 
     A sampling method sizes its selection for the largest sample it allows
-    (MagicPIG: N/8 slots per KV head) and fills part of it (7 % of the keys at
-    256k, the union of a GQA group, compacted to the front): gathering,
+    (MagicPIG: N/8 slots per KV head) and fills part of it (the union of a GQA
+    group's samples, compacted to the front): gathering,
     correcting and attending block by block skips the unused tail, so a step
     costs what its sample holds, not its capacity.
     """
@@ -482,7 +442,7 @@ def _attend_rows_by_blocks(q, state: RegionKV, sel, *, method, mcfg, ccfg) -> co
 def attends_in_place(method, mcfg, retr_k) -> bool:
     """Whether the method attends its selection where the rows lie (``method.attend_in_place``:
     gather, correction and attention in one call), for this config and retrieval region."""
-    return hasattr(method, "reads_rows_in_place") and method.reads_rows_in_place(mcfg, retr_k)
+    return method.reads_rows_in_place(mcfg, retr_k)
 
 
 def attend_rows_in_place(q, state: RegionKV, sel, *, method, mcfg) -> common.Partial:
@@ -494,30 +454,31 @@ def attend_rows_in_place(q, state: RegionKV, sel, *, method, mcfg) -> common.Par
 def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     """The method's estimate over the retrieval region: select, gather, correct, attend.
 
-    With the retrieval region on the device and a method config whose
-    ``uses_kernels()`` holds, the attention runs in the gather-attention kernel;
+    With the retrieval region on the device and ``method.kernels(mcfg)`` running
+    the Pallas kernels, the attention runs in the gather-attention kernel;
     a method whose ``reads_rows_in_place(mcfg, keys)`` holds (the CPU kernels of
     MagicPIG and ParisKV) attends the rows where they lie, host memory included; otherwise
     host-offloaded rows are gathered on the host side first and attended by XLA,
     block by block for a method whose correction is slot-wise
-    (``SLOT_WISE_CORRECTION``) and whose selection exceeds a block.
+    (``slot_wise_correction``) and whose selection exceeds a block.
     """
     select = method_select(method, mcfg, ccfg)
     sel = over_batch_heads(lambda ix, qq: select(mcfg, ix, qq))(state.index, q)
-    if not ccfg.offload and getattr(mcfg, "uses_kernels", lambda: False)():
+    kernels = method.kernels(mcfg)
+    if not ccfg.offload and kernels.uses_pallas():
         # The kernel gathers rows of the device-resident region itself: no copy of V.
         # Only a correction needs k_rows on this path; XLA drops the gather otherwise.
         _, log_weight = _keys_and_correction(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
 
         def one_row(q, k, v, idx, mask, log_weight):
-            return dispatch.gather_attention_heads(q, k, v, idx, mask, log_weight, **mcfg.kernel_options())
+            return dispatch.gather_attention_heads(q, k, v, idx, mask, log_weight, kernels=kernels)
 
         o, l, m = jax.vmap(one_row)(q, row_values(state.retr_k), row_values(state.retr_v), sel.idx, sel.mask,
                                     log_weight)
         read = common.Partial(o=o, l=l, m=m)
     elif attends_in_place(method, mcfg, state.retr_k):
         read = attend_rows_in_place(q, state, sel, method=method, mcfg=mcfg)
-    elif getattr(method, "SLOT_WISE_CORRECTION", False) and sel.idx.shape[-1] > ccfg.slot_block:
+    elif method.slot_wise_correction and sel.idx.shape[-1] > ccfg.slot_block:
         read = _attend_rows_by_blocks(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
     else:
         read = _attend_rows(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
@@ -602,23 +563,28 @@ class Backend:
     retrieval_capacity: int
 
     @property
+    def sparse_method(self) -> SparseMethod:
+        """The registered method of a sparse backend."""
+        return registry.get(self.method)
+
+    @property
     def dense_layers(self) -> tuple[int, ...]:
-        if self.method == "dense":
+        if self.method == registry.DENSE:
             return tuple(range(self.num_layers))
-        return tuple(l for l in getattr(self.method_config, "dense_layers", ()) if l < self.num_layers)
+        return tuple(l for l in self.sparse_method.dense_layers(self.method_config) if l < self.num_layers)
 
     @property
     def attention(self):
         # Dense layers' decode steps go to the CPU kernel when the config asks for the
         # native kernels (DenseConfig; a sparse method's config for its dense layers, where
         # that kernel is built: ParisKV's selection alone is, on an AVX2 CPU).
-        native_kernels = getattr(self.method_config, "kernels", None) == "native"
-        if self.method != "dense":
-            native_kernels = native_kernels and native.available("jaxkv_dense_decode")
-        dense_layer = dense.cached_attention(native_kernels)
-        if self.method == "dense":
+        if self.method == registry.DENSE:
+            dense_layer = dense.cached_attention((self.method_config or dense.DenseConfig()).kernels.uses_native())
             return (dense_layer,) * self.num_layers
-        sparse = functools.partial(region_attention, method=method_module(self.method),
+        native_kernels = (self.sparse_method.kernels(self.method_config).uses_native()
+                          and native.available("jaxkv_dense_decode"))
+        dense_layer = dense.cached_attention(native_kernels)
+        sparse = functools.partial(region_attention, method=self.sparse_method,
                                    mcfg=self.method_config, ccfg=self.cache)
         return tuple(dense_layer if l in self.dense_layers else sparse for l in range(self.num_layers))
 
@@ -638,7 +604,7 @@ class Backend:
 
 @functools.partial(jax.jit, static_argnames=("backend",))
 def _layer_regions(backend: Backend, k, v, lengths) -> RegionKV:
-    return regions_from_prefill(k, v, lengths, method=method_module(backend.method), mcfg=backend.method_config,
+    return regions_from_prefill(k, v, lengths, method=backend.sparse_method, mcfg=backend.method_config,
                                 ccfg=backend.cache, capacity=backend.retrieval_capacity)
 
 
@@ -646,13 +612,13 @@ def make_backend(config, method: str, method_config, cache_config, max_prompt: i
                  max_new_tokens: int) -> Backend:
     """Validate a generate() request and size every cache for it."""
     total = max_prompt + max_new_tokens
-    if method == "dense":
+    if method == registry.DENSE:
         if method_config is not None and not isinstance(method_config, dense.DenseConfig):
             raise ValueError(f"method_config for 'dense' must be a DenseConfig, got {type(method_config).__name__}")
         if cache_config is not None:
             raise ValueError("method='dense' takes no cache_config")
         return Backend(config.num_layers, "dense", method_config, None, total, 0)
-    config_class = method_config_class(method)
+    config_class = registry.get(method).config_class
     mcfg = method_config if method_config is not None else config_class()
     if not isinstance(mcfg, config_class):
         raise ValueError(f"method_config for {method!r} must be a {config_class.__name__}, "

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import sys
 import typing
 from pathlib import Path
 
+from jaxkv.plots import PlotsUnavailable
+
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-               PermissionError, KeyError)
+               PermissionError, KeyError, PlotsUnavailable)
 
 
 class UserError(Exception):
@@ -34,6 +37,11 @@ def _parse_value(text: str, annotation):
                 return False
         elif kind is tuple:
             return tuple(int(x) for x in text.split(",") if x.strip())
+        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+            try:
+                return kind(text)
+            except ValueError:
+                raise UserError(f"{text!r} is not one of {', '.join(str(k.value) for k in kind)}") from None
         elif kind in (int, float, str):
             try:
                 return kind(text)
@@ -42,19 +50,29 @@ def _parse_value(text: str, annotation):
     raise UserError(f"cannot read {text!r} as {annotation}")
 
 
-def config_with_overrides(cls, items: list[str]):
-    """Build config class `cls` from `key=value` strings (unknown keys are errors)."""
+def config_with_overrides(cls, items: list[str], base=None):
+    """Build config class `cls` (or replace fields of `base`, an instance) from `key=value`
+    strings; `field.key=value` sets a field of a nested config (unknown keys are errors)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    values = {}
+    values, nested = {}, {}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep:
             raise UserError(f"--set expects key=value, got {item!r}")
+        name, dot, inner = name.partition(".")
         if name not in fields:
             raise UserError(f"{cls.__name__} has no field {name!r}; fields: {', '.join(fields)}")
-        values[name] = _parse_value(text, hints[name])
-    return cls(**values)
+        if dot:
+            nested.setdefault(name, []).append(f"{inner}={text}")
+        else:
+            values[name] = _parse_value(text, hints[name])
+    for name, inner_items in nested.items():
+        inner_base = values.get(name, getattr(base if base is not None else cls(), name))
+        if not dataclasses.is_dataclass(inner_base):
+            raise UserError(f"{cls.__name__}.{name} is not a nested config: no '{name}.' keys")
+        values[name] = config_with_overrides(type(inner_base), inner_items, inner_base)
+    return cls(**values) if base is None else dataclasses.replace(base, **values)
 
 
 def _load_model(path: str | None, keep_quantized: bool = False):
@@ -79,6 +97,7 @@ def _read_prompt(args) -> str:
 
 def cmd_generate(args) -> int:
     from jaxkv import cache as kvcache
+    from jaxkv.attention import registry
     from jaxkv.attention.dense import DenseConfig
     from jaxkv.generate import generate
 
@@ -90,7 +109,7 @@ def cmd_generate(args) -> int:
     if args.method == "dense":
         method_config = config_with_overrides(DenseConfig, args.set) if args.set else None
     else:
-        method_config = config_with_overrides(kvcache.method_config_class(args.method), args.set)
+        method_config = config_with_overrides(registry.get(args.method).config_class, args.set)
         cache_config = kvcache.CacheConfig(
             sink=args.sink, local=args.local, buffer=args.buffer,
             dense_threshold=0 if args.no_dense_fallback else None, offload=not args.on_device)
@@ -124,17 +143,10 @@ def _study(module: str, args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """Run benchmarks/bench_attention.py (a script of the source tree, not an installed module)."""
-    import importlib.util
+    """Run :mod:`jaxkv.bench.attention` with the flags after ``bench``."""
+    from jaxkv.bench import attention
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
-    if not script.is_file():
-        raise UserError(f"{script} not found: `jaxkv bench` runs from a source checkout")
-    spec = importlib.util.spec_from_file_location("bench_attention", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module.main(args.bench_args)
+    return attention.main(args.bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Every flag (--help included) goes to the script's own parser.
     bench = sub.add_parser("bench", add_help=False,
                            help="attention step time per method and context length "
-                                "(benchmarks/bench_attention.py; --quick for a smoke run)")
+                                "(jaxkv.bench.attention; --quick for a smoke run)")
     bench.set_defaults(run=cmd_bench, passthrough=True)
 
     ev = sub.add_parser("eval", help="studies on the embedded model (tables, JSON, plots)")

@@ -40,10 +40,8 @@ class KVCache:
     and ``k`` is [B, num_kv_heads, head_dim, max_len] (each head's keys as
     columns); every layer's cache has a leading num_layers axis on both. Laid
     out so that both of a decode step's contractions run along the cache's
-    minor axis and read it where it lies: with keys head-major too, XLA CPU's
-    q·Kᵀ read under half the bandwidth and a decode step took 1.5–1.9× as long
-    (docs/results/performance.md, "2026-12-02, latest"). A position-major cache
-    made XLA transpose K and V on every step.
+    minor axis and read it where it lies (docs/results/implementation_notes.md,
+    "The decoder"); a position-major cache made XLA transpose K and V on every step.
 
     A bfloat16 cache from :func:`init_cache` holds its rows' bits (:data:`ROW_BITS`, see
     :func:`stored_rows`); ``dtype`` is the dtype of the rows it holds. A cache of bfloat16
@@ -64,10 +62,8 @@ class KVCache:
         return row_dtype(self.v)
 
 
-# XLA CPU (jax 0.10.2) widens a whole bfloat16 buffer to float32 and back for any write into
-# it, and copies it: 64 rows into a 3 × 256k × 64 region took 69 ms against 0.04 ms for
-# float32; a decode step of a dense layer at 64k positions (SmolLM2's shape, its row written,
-# then attended by the CPU kernel) 10.9 ms against 3.1 ms for float32. So a buffer a
+# XLA CPU (jax 0.10.2) widens a whole bfloat16 buffer to float32 and back, and copies it, for
+# any write into it (docs/results/implementation_notes.md, "The decoder"). So a buffer a
 # decode step writes into (this cache, and jaxkv.cache's regions) holds a bfloat16 row's
 # bits as uint16, written as integers in place; readers take the rows back as bfloat16 (the
 # CPU kernels read the bits in place). A bitcast of a whole bfloat16 buffer to write through
@@ -124,10 +120,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
-# Scores per KV head in one key block of prefix_causal_attention. Measured for a
-# 512-query chunk at 8k keys (SmolLM2, batch 1): blocks of 256 / 512 / 1024 / 2048 keys
-# took 185 / 163 / 167 / 207 ms, the whole cache at once 280 ms; for one decode query
-# blocks of 512 keys cost more than none (2.4–2.8 vs 1.7–2.0 ms per layer).
+# Scores per KV head in one key block of prefix_causal_attention: the fastest block size
+# for a prefill chunk (docs/results/implementation_notes.md, "The decoder").
 SCORES_PER_BLOCK = 512 * 1536
 
 # A finite floor for masked scores, not -inf: a row that sees nothing stays finite instead of NaN.
@@ -226,10 +220,7 @@ def _softmax_partial(q, k, v, q_positions, kv_positions):
     q [T, Hq, hd]; k [Hkv, hd, S], v [Hkv, S, hd] (as :class:`KVCache`);
     q_positions [T]; kv_positions [S]. Scores are laid out [Hkv, T·G, S] and
     normalised after the value contraction, so both contractions run along the
-    cache's minor axis. Against head-major keys with [Hkv, S, T·G] scores
-    (SmolLM2 heads, docs/results/performance.md "2026-12-02, latest"): 0.38 → 0.24
-    ms at 8k keys and T = 1, 25 → 17 ms at 256k, 239 → 169 ms for a 512-query
-    prefill block over 8k keys.
+    cache's minor axis (docs/results/implementation_notes.md, "The decoder").
     """
     t, hq, hd = q.shape
     hkv = k.shape[0]

@@ -84,11 +84,10 @@ def unstack_layers(params: Params, num_layers: int, join: bool = True) -> Params
 def join_projections(layer: LayerParams) -> LayerParams:
     """One layer's q, k and v matrices as one ``wqkv`` [D, Hkv, G + 2, hd] (KV head n's G
     query heads, then its key and its value head; biases likewise): a decode step multiplies
-    its row by one matrix where it multiplied by three. XLA CPU runs the product with a small
-    matrix on one thread (SmolLM2's k and v, 576 × 192, at 9 GB/s; q, 576 × 576, at 14) and
-    with the three joined (576 × 960) on both (26-30 GB/s). (Gate and up joined, 576 × 3072,
-    gained nothing over their two products at 30 GB/s: they stay apart.) Left as they are
-    when one of them is in GGUF blocks (models.quantized, its own kernel) or joined already.
+    its row by one matrix where it multiplied by three: XLA CPU runs a small matrix's product
+    on one thread, a larger one on all (docs/results/implementation_notes.md, "The decoder";
+    gate and up gain nothing joined and stay apart). Left as they are when one of them is in
+    GGUF blocks (models.quantized, its own kernel) or joined already.
     """
     parts = (layer.wq, layer.wk, layer.wv)
     if not any(w is None or isinstance(w, QuantizedMatrix) for w in parts):

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import native
+
 BLOCK = 32  # inputs per block, both formats
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # float16 d (and m for Q4_1), then the codes
 KERNEL_MAX_ROWS = 16  # more rows (a prefill): dequantise once and let XLA's GEMM run
@@ -165,14 +167,10 @@ def _times_transposed(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
     """x [..., K] · W[N, K]ᵀ -> float32 [..., N]."""
     rows = math.prod(x.shape[:-1])
     if rows <= KERNEL_MAX_ROWS and w.blocks.ndim == 2 and _native_kernel_usable():
-        from jaxkv import native  # the kernels live with jaxkv's; models does not need them otherwise
         y = native.quantized_matmul(x.reshape(rows, w.inputs).astype(jnp.float32), w.blocks, q4_1=w.fmt == "q4_1")
         return y.reshape(*x.shape[:-1], w.outputs)
     return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), dequantize(w))
 
 
 def _native_kernel_usable() -> bool:
-    if jax.default_backend() != "cpu":
-        return False
-    from jaxkv import native
-    return native.available("jaxkv_quantized_matmul")
+    return jax.default_backend() == "cpu" and native.available()

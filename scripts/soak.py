@@ -194,9 +194,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     configs = {
         # Official defaults (K10L150, S=4, W=64); the update buffer defaults to W.
-        "magicpig": (magicpig, magicpig.MagicPIGConfig()),
+        "magicpig": (magicpig.METHOD, magicpig.MagicPIGConfig()),
         # Official defaults (top-k 100, S=4, W=512, U=512).
-        "pariskv": (pariskv, pariskv.ParisKVConfig()),
+        "pariskv": (pariskv.METHOD, pariskv.ParisKVConfig()),
     }
     ok = True
     for name in args.methods.split(","):

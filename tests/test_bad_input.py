@@ -267,7 +267,7 @@ def test_cache_config(fields, pattern):
     (pariskv.ParisKVConfig, {"m": 4, "official_levels": True}, r"official_levels needs m=8, got m=4"),
     (pqcache.PQCacheConfig, {"n_centroids": 300}, r"PQCacheConfig\.n_centroids must be in \[1, 256\], got 300"),
     (topk.TopKConfig, {"top_k": 0}, r"TopKConfig\.top_k must be >= 1, got 0"),
-    (hybrid.HybridConfig, {"top_k": 0, "tail": "none"}, r"top_k=0 with tail='none' has no head to work from"),
+    (hybrid.HybridConfig, {"pariskv": None, "tail": "none"}, r"pariskv=None with tail='none' has no head to work from"),
     (hybrid.HybridConfig, {"tail": "sampled"}, r"HybridConfig\.tail must be one of \('regression', 'lsh', 'none'\)"),
 ])
 def test_method_config(cls, fields, pattern):

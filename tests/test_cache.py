@@ -25,13 +25,13 @@ def _config(**kw):
 @functools.partial(jax.jit, static_argnames=("mcfg", "ccfg", "capacity"))
 def _prefill(k, v, lengths, mcfg, ccfg, capacity):
     """Regions from position-major test arrays [B, T, H, d] (the staging cache is head-major)."""
-    return kvcache.regions_from_prefill(k.swapaxes(1, 2), v.swapaxes(1, 2), lengths, method=topk, mcfg=mcfg, ccfg=ccfg,
+    return kvcache.regions_from_prefill(k.swapaxes(1, 2), v.swapaxes(1, 2), lengths, method=topk.METHOD, mcfg=mcfg, ccfg=ccfg,
                                         capacity=capacity, key=jax.random.key(0))
 
 
 @functools.partial(jax.jit, static_argnames=("mcfg", "ccfg"))
 def _append(state, k, v, positions, mcfg, ccfg):
-    return kvcache.append(state, k, v, positions, method=topk, mcfg=mcfg, ccfg=ccfg)
+    return kvcache.append(state, k, v, positions, method=topk.METHOD, mcfg=mcfg, ccfg=ccfg)
 
 
 def _run(lengths, steps, offload, seed=0, dtype=np.float32):
@@ -128,7 +128,7 @@ def test_region_attention_reading_everything_equals_dense(lengths, steps):
     pos = totals  # the next token
     k_new = rng.standard_normal((b, 1, H, HD)).astype(np.float32)
     v_new = rng.standard_normal((b, 1, H, HD)).astype(np.float32)
-    out, _ = jax.jit(functools.partial(kvcache.region_attention, method=topk, mcfg=mcfg, ccfg=ccfg))(
+    out, _ = jax.jit(functools.partial(kvcache.region_attention, method=topk.METHOD, mcfg=mcfg, ccfg=ccfg))(
         jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(pos[:, None]), state)
     for row, n in enumerate(totals):
         keys = np.concatenate([full_k[row, :n], k_new[row]], axis=0)  # [n+1, H, hd]
@@ -156,18 +156,18 @@ def _magicpig_decode(offload: bool, steps: int = 12, **cache_kw):
     full_k = rng.standard_normal((b, total, H, HD)).astype(np.float32)
     full_v = rng.standard_normal((b, total, H, HD)).astype(np.float32)
     live = np.arange(total)[None, :, None, None] < lengths[:, None, None, None]
-    prefill = jax.jit(functools.partial(kvcache.regions_from_prefill, method=magicpig, mcfg=mcfg, ccfg=ccfg,
+    prefill = jax.jit(functools.partial(kvcache.regions_from_prefill, method=magicpig.METHOD, mcfg=mcfg, ccfg=ccfg,
                                         capacity=total + U, key=jax.random.key(0)))
     state = prefill(jnp.asarray(np.where(live, full_k, 0).swapaxes(1, 2)),
                     jnp.asarray(np.where(live, full_v, 0).swapaxes(1, 2)),
                     jnp.asarray(lengths))
-    append = jax.jit(functools.partial(kvcache.append, method=magicpig, mcfg=mcfg, ccfg=ccfg))
+    append = jax.jit(functools.partial(kvcache.append, method=magicpig.METHOD, mcfg=mcfg, ccfg=ccfg))
     rows = np.arange(b)
     for step in range(steps):
         pos = lengths + step
         state = append(state, jnp.asarray(full_k[rows, pos]), jnp.asarray(full_v[rows, pos]), jnp.asarray(pos))
     q = rng.standard_normal((b, 1, H * g, HD)).astype(np.float32)
-    attend = jax.jit(functools.partial(kvcache.region_attention, method=magicpig, mcfg=mcfg, ccfg=ccfg))
+    attend = jax.jit(functools.partial(kvcache.region_attention, method=magicpig.METHOD, mcfg=mcfg, ccfg=ccfg))
     out, state = attend(jnp.asarray(q), jnp.asarray(full_k[rows, lengths + steps][:, None]),
                         jnp.asarray(full_v[rows, lengths + steps][:, None]),
                         jnp.asarray((lengths + steps)[:, None]), state)
@@ -195,7 +195,7 @@ def test_magicpig_read_in_blocks_of_slots_decodes_as_one_pass():
     # What the blocks covered: several blocks used, and unused ones past them (skipped).
     q = jnp.asarray(q.reshape(2, H, 3, HD))  # the query group of each KV head
     mcfg = SMALL_MAGICPIG
-    select = kvcache.method_select(magicpig, mcfg, kvcache.CacheConfig(offload=True))  # the id lists are in host memory
+    select = kvcache.method_select(magicpig.METHOD, mcfg, kvcache.CacheConfig(offload=True))  # the id lists are in host memory
     sel = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select(mcfg, ix, qq)))(state.index, q)
     used, slots = int(kvcache._used_slots(sel)), sel.idx.shape[-1]
     assert used % 3 and 2 * 3 < used < slots - 3, (used, slots)  # a partial last block
@@ -210,10 +210,10 @@ def test_bfloat16_flush_converts_no_retrieval_region():
     mcfg = SMALL_MAGICPIG
     ccfg = kvcache.CacheConfig(buffer=U, dense_threshold=0, offload=True).resolve(mcfg)
     keys = jnp.asarray(np.random.default_rng(5).standard_normal((2, H, 30, HD)), jnp.bfloat16)
-    state = jax.jit(functools.partial(kvcache.regions_from_prefill, method=magicpig, mcfg=mcfg, ccfg=ccfg,
+    state = jax.jit(functools.partial(kvcache.regions_from_prefill, method=magicpig.METHOD, mcfg=mcfg, ccfg=ccfg,
                                       capacity=40, key=jax.random.key(0)))(keys, keys, jnp.asarray([30, 21]))
     assert state.retr_k.dtype == models.ROW_BITS
-    flush = jax.jit(functools.partial(kvcache.flush, method=magicpig, mcfg=mcfg, ccfg=ccfg), donate_argnums=0)
+    flush = jax.jit(functools.partial(kvcache.flush, method=magicpig.METHOD, mcfg=mcfg, ccfg=ccfg), donate_argnums=0)
     hlo = flush.lower(state).compile().as_text()
     b, h, cap, hd = state.retr_k.shape
     dims = {f"[{b},{h},{cap},{hd}]", f"[{b * h * cap},{hd}]"}  # the region, and its rows as scattered into

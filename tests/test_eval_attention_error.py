@@ -21,7 +21,7 @@ def test_decode_view_reading_everything_is_exact():
     k, v, q = (jnp.asarray(x[0, 0]) for x in (c.keys, c.values, c.queries))
     pos = jnp.asarray(c.query_positions)
     cfg = topk.TopKConfig(top_k=1000, sink=4, local=16)
-    out, read, retrieved = decode_view.method_outputs(topk, cfg, k, v, q, pos, jax.random.key(0))
+    out, read, retrieved = decode_view.method_outputs(topk.METHOD, cfg, k, v, q, pos, jax.random.key(0))
     truth = decode_view.dense_truth(k, v, q, pos)
     np.testing.assert_allclose(np.asarray(out), np.asarray(truth), rtol=1e-5, atol=1e-6)
     # Causal: query t reads exactly t + 1 keys when everything is retrieved.

@@ -127,11 +127,11 @@ def test_oracle_retriever_reads_k_keys_and_is_exact_when_k_covers_the_pool():
     positions = jnp.asarray(cap.query_positions)
     pool = 60 - 4 - LOCAL - SINK
     small = recall.OracleRetrieverConfig(K, per_head=False, sink=SINK, local=LOCAL)
-    _, read = recall.layer_errors(recall.oracle_retriever, small, keys, values, queries, positions, jax.random.key(0))
+    _, read = recall.layer_errors(recall.ORACLE_RETRIEVER, small, keys, values, queries, positions, jax.random.key(0))
     exact = SINK + LOCAL + np.arange(1, 5)  # sink + local + the decode tokens up to each query
     np.testing.assert_array_equal(np.asarray(read), np.broadcast_to(exact + K, (2, 4)))
     whole = recall.OracleRetrieverConfig(pool, per_head=True, sink=SINK, local=LOCAL)
-    err, read = recall.layer_errors(recall.oracle_retriever, whole, keys, values, queries, positions,
+    err, read = recall.layer_errors(recall.ORACLE_RETRIEVER, whole, keys, values, queries, positions,
                                     jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(read), np.broadcast_to(positions + 1, (2, 4)))
     # Every key attended: only float32 rounding of the split softmax remains.

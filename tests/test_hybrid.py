@@ -10,13 +10,16 @@ import jaxkv
 import models
 from jaxkv.attention import common, dense, hybrid, magicpig, pariskv
 from jaxkv.attention.hybrid import HybridConfig
+from jaxkv.attention.magicpig import MagicPIGConfig
+from jaxkv.attention.pariskv import ParisKVConfig
 from jaxkv.cache import CacheConfig
 from models.params import init_params
 
 G, D, N = 3, 64, 600
 # Small tables so the tail samples a sizeable share of 600 random keys.
-CFG = HybridConfig(top_k=40, tail="lsh", K=4, L=12, capacity=1.0, candidate_capacity=12.0)
-REG = HybridConfig(top_k=40)  # the regression tail (the default)
+CFG = HybridConfig(pariskv=ParisKVConfig(top_k=40), tail="lsh",
+                   magicpig=MagicPIGConfig(K=4, L=12, capacity=1.0, candidate_capacity=12.0))
+REG = HybridConfig(pariskv=ParisKVConfig(top_k=40))  # the regression tail (the default)
 
 attend = jax.jit(hybrid.attend, static_argnums=0)
 build = jax.jit(hybrid.build, static_argnums=0)
@@ -32,6 +35,14 @@ def _qkv(seed=0, n=N):
     return _normal(seed, (G, D), 3.0), _normal(seed + 1, (n, D)), _normal(seed + 2, (n, D))
 
 
+def _with_head(cfg, **changes):
+    return dataclasses.replace(cfg, pariskv=dataclasses.replace(cfg.pariskv, **changes))
+
+
+def _with_tail(cfg, **changes):
+    return dataclasses.replace(cfg, magicpig=dataclasses.replace(cfg.magicpig, **changes))
+
+
 def _retrieval(cfg, keys):
     start, end = common.exact_and_retrieval_split(keys.shape[0], cfg.sink, cfg.local)
     return keys[start:end], end - start
@@ -44,12 +55,12 @@ def test_without_tail_it_is_pariskv():
     ref_out, ref_read = jax.jit(pariskv.attend, static_argnums=0)(cfg.head_config(), q, k, v)
     # Same selection, same gather, same softmax code path: bit-identical.
     np.testing.assert_array_equal(out, ref_out)
-    assert int(read) == int(ref_read) == cfg.sink + cfg.local + cfg.top_k
+    assert int(read) == int(ref_read) == cfg.sink + cfg.local + cfg.pariskv.top_k
 
 
 def test_without_head_it_is_magicpig():
     q, k, v = _qkv(3)
-    cfg = dataclasses.replace(CFG, top_k=0)
+    cfg = dataclasses.replace(CFG, pariskv=None)
     key = jax.random.key(5)
     out, read = attend(cfg, q, k, v, key)
     ref_out, ref_read = magicpig.attend(cfg.tail_config(), q, k, v, key)
@@ -65,7 +76,7 @@ def test_without_head_it_is_magicpig():
 
 def test_everything_retrieved_is_dense():
     q, k, v = _qkv(6)
-    cfg = dataclasses.replace(CFG, top_k=N)  # the head holds every retrieval row
+    cfg = _with_head(CFG, top_k=N)  # the head holds every retrieval row
     out, read = attend(cfg, q, k, v)
     ref, _ = dense.dense(q, k, v)
     # Exact attention over the same keys in another summation order: float32 rounding only.
@@ -82,7 +93,7 @@ def test_tail_slots_never_repeat_head_rows_and_reads_are_distinct():
     head_rows = set(np.asarray(sel.idx[:top])[np.asarray(sel.mask[0, :top])].tolist())
     tail_live = np.asarray(jnp.any(sel.mask[:, top:], axis=0))
     tail_rows = np.asarray(sel.idx[top:])[tail_live].tolist()
-    assert len(head_rows) == CFG.top_k and tail_rows, "both parts must be non-trivial here"
+    assert len(head_rows) == CFG.pariskv.top_k and tail_rows, "both parts must be non-trivial here"
     assert head_rows.isdisjoint(tail_rows) and len(set(tail_rows)) == len(tail_rows)
     # The tail is MagicPIG's sample minus the head, per query head.
     ref = magicpig.select(CFG.tail_config(), index.tail, q)
@@ -115,7 +126,8 @@ def test_correction_is_zero_on_head_and_minus_log_u_on_tail():
 
 def test_tail_estimate_is_unbiased_over_projections():
     """E over LSH projections of Σ_{tail ∩ sample} e^{s_i}/u_i = Σ_tail e^{s_i}, and likewise with v."""
-    cfg = HybridConfig(top_k=10, tail="lsh", K=3, L=6, sink=0, local=0, capacity=1.0, candidate_capacity=6.0)
+    cfg = HybridConfig(pariskv=ParisKVConfig(top_k=10), tail="lsh",
+                       magicpig=MagicPIGConfig(K=3, L=6, capacity=1.0, candidate_capacity=6.0), sink=0, local=0)
     q, k, v = _normal(20, (1, D), 2.0), _normal(21, (120, D)), _normal(22, (120, D))
     index = build(cfg, k, 120, jax.random.key(0))
     top = hybrid.n_head_slots(cfg, 120)
@@ -158,7 +170,7 @@ def _edge_case(case, seed):
 def test_estimate_is_finite_on_edge_cases(case):
     q, k, v = _edge_case(case, 30)
     # a 2-of-2 match of 16-bit codes: nobody collides
-    cfg = dataclasses.replace(CFG, K=16, L=2) if case == "empty sample" else CFG
+    cfg = _with_tail(CFG, K=16, L=2) if case == "empty sample" else CFG
     out, read = attend(cfg, q, k, v)
     assert np.all(np.isfinite(np.asarray(out)))
     if case in ("zero query", "zero keys", "identical keys"):
@@ -166,7 +178,7 @@ def test_estimate_is_finite_on_edge_cases(case):
         # and every live estimate term has the same score, so it is a weighted mean of v.
         assert np.all(np.abs(out) <= np.max(np.abs(v)) + 1e-6)
     if case == "empty sample":
-        assert int(read) == cfg.sink + cfg.local + cfg.top_k
+        assert int(read) == cfg.sink + cfg.local + cfg.pariskv.top_k
         ref, _ = jax.jit(pariskv.attend, static_argnums=0)(cfg.head_config(), q, k, v)
         np.testing.assert_allclose(out, ref, rtol=0, atol=1e-6)  # nothing sampled: the head alone
     if case == "short context":
@@ -177,7 +189,7 @@ def test_estimate_is_finite_on_edge_cases(case):
 def test_insert_equals_build():
     """The update buffer's flush path: building from 400 rows then inserting the rest = building from all."""
     _, k, _ = _qkv(40)
-    cfg = dataclasses.replace(CFG, center=False)  # μ = 0 both ways (a centred μ is fixed at build)
+    cfg = _with_tail(CFG, center=False)  # μ = 0 both ways (a centred μ is fixed at build)
     retr, n = _retrieval(cfg, k)
     key = jax.random.key(3)
     whole = build(cfg, retr, n, key)
@@ -188,11 +200,11 @@ def test_insert_equals_build():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(top_k=0, tail="none"), "top_k=0 with tail='none' has no head"),
-    (dict(top_k=0), "top_k=0 with tail='regression' has no head"),
-    (dict(top_k=-1), "HybridConfig.top_k"),
-    (dict(K=17), "HybridConfig: MagicPIGConfig.K"),
-    (dict(m=9), "HybridConfig: ParisKVConfig.m"),
+    (dict(pariskv=None, tail="none"), "pariskv=None with tail='none' has no head"),
+    (dict(pariskv=None), "pariskv=None with tail='regression' has no head"),
+    (dict(local=-1), "HybridConfig.local"),
+    (dict(pariskv=MagicPIGConfig()), "HybridConfig.pariskv must be a ParisKVConfig"),
+    (dict(magicpig=None), "HybridConfig.magicpig must be a MagicPIGConfig"),
     (dict(tail=1), "HybridConfig.tail"),
 ])
 def test_bad_config_raises_naming_the_field(changes, message):
@@ -215,8 +227,9 @@ def test_generate_with_everything_in_the_head_equals_dense(tail):
     params = jax.tree.map(lambda x: x * 12 if x.ndim > 1 else x, params)
     prompts = [np.random.default_rng(9).integers(3, 97, 40).tolist()]
     ref = jaxkv.generate(params, TINY, prompts, max_new_tokens=16, eos_ids=())
-    cfg = HybridConfig(top_k=256, tail=tail, K=4, L=8, sink=2, local=4, buffer=3, capacity=1.0,
-                       candidate_capacity=8.0)
+    cfg = HybridConfig(pariskv=ParisKVConfig(top_k=256), tail=tail,
+                       magicpig=MagicPIGConfig(K=4, L=8, capacity=1.0, candidate_capacity=8.0),
+                       sink=2, local=4, buffer=3)
     out = jaxkv.generate(params, TINY, prompts, max_new_tokens=16, eos_ids=(), method="hybrid",
                          method_config=cfg, cache_config=CacheConfig(dense_threshold=0))
     # Through the four-region cache with index inserts (values too) at every flush, reading everything is dense.
@@ -250,7 +263,7 @@ def test_regression_tail_reads_only_the_head_and_improves_on_pariskv():
     ref, _ = dense.dense(q, k, v)
     out, read = attend(REG, q, k, v)
     paris, paris_read = jax.jit(pariskv.attend, static_argnums=0)(REG.head_config(), q, k, v)
-    assert int(read) == int(paris_read) == REG.sink + REG.local + REG.top_k  # the tail reads no K/V row
+    assert int(read) == int(paris_read) == REG.sink + REG.local + REG.pariskv.top_k  # the tail reads no K/V row
     err = float(jnp.mean(jnp.linalg.norm(out - ref, axis=-1) / jnp.linalg.norm(ref, axis=-1)))
     paris_err = float(jnp.mean(jnp.linalg.norm(paris - ref, axis=-1) / jnp.linalg.norm(ref, axis=-1)))
     # ParisKV drops the tail's mass; the regression tail restores much of it (measured 0.205 vs
@@ -310,10 +323,26 @@ def test_regression_tail_needs_values():
 def test_regression_tail_is_finite_and_in_range_on_edge_cases(case):
     q, k, v = _edge_case(case, 67)
     # all retrieved: nothing is left for the tail, so the estimate is exact
-    cfg = dataclasses.replace(REG, top_k=N) if case == "all retrieved" else REG
+    cfg = _with_head(REG, top_k=N) if case == "all retrieved" else REG
     out, _ = attend(cfg, q, k, v)
     out = np.asarray(out)
     assert np.all(np.isfinite(out))
     assert np.all(out >= np.asarray(v).min(0) - 1e-5) and np.all(out <= np.asarray(v).max(0) + 1e-5)
     if case in ("short context", "all retrieved"):
         np.testing.assert_allclose(out, dense.dense(q, k, v)[0], rtol=0, atol=2e-6)
+
+
+def test_the_command_line_sets_the_nested_configs_by_dotted_keys():
+    from jaxkv import cli
+
+    cfg = cli.config_with_overrides(HybridConfig, ["pariskv.top_k=2048", "magicpig.L=100", "tail=lsh",
+                                                   "local=128", "pariskv.kernels=xla"])
+    assert cfg == HybridConfig(pariskv=ParisKVConfig(top_k=2048, kernels="xla"), tail="lsh",
+                               magicpig=MagicPIGConfig(L=100), local=128)
+    assert cfg.head_config().local == cfg.tail_config().local == 128  # the hybrid's regions are the parts'
+    with pytest.raises(cli.UserError, match="ParisKVConfig has no field 'topk'"):
+        cli.config_with_overrides(HybridConfig, ["pariskv.topk=5"])
+    with pytest.raises(cli.UserError, match="HybridConfig.tail is not a nested config"):
+        cli.config_with_overrides(HybridConfig, ["tail.x=1"])
+    with pytest.raises(cli.UserError, match="'fast' is not one of auto, xla, pallas, interpret, native"):
+        cli.config_with_overrides(HybridConfig, ["magicpig.kernels=fast"])

@@ -11,7 +11,7 @@ from pallas_kernels.testing import INTERPRET, lower_for_cuda, triton_kernels
 
 FIELDS = ("idx", "mask", "n_hits", "overflow", "truncated")
 # The XLA path and the kernel path of the public entry point.
-BOTH_PATHS = (dict(use_kernel=False), dict(use_kernel=True, interpret=INTERPRET))
+BOTH_PATHS = (dict(kernels="xla"), dict(kernels="interpret" if INTERPRET else "pallas"))
 
 
 def _index(codes: np.ndarray, n_bits: int):

@@ -4,6 +4,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 
 from pallas_kernels import dispatch
 from pallas_kernels.testing import INTERPRET
@@ -11,10 +12,16 @@ from pallas_kernels.testing import INTERPRET
 ON_GPU = jax.default_backend() == "gpu"
 
 
-def test_kernel_path_choice():
-    assert dispatch.kernel_path(None, False) == ON_GPU
-    assert dispatch.kernel_path(False, True) and dispatch.kernel_path(None, True)
-    assert not dispatch.kernel_path(False, False) and dispatch.kernel_path(True, False)
+def test_kernels_setting_picks_the_path():
+    Kernels = dispatch.Kernels
+    assert Kernels.AUTO.uses_pallas() == ON_GPU
+    assert Kernels.PALLAS.uses_pallas() and Kernels.INTERPRET.uses_pallas()
+    assert not Kernels.XLA.uses_pallas() and not Kernels.NATIVE.uses_pallas()
+    assert [k for k in Kernels if k.uses_native()] == [Kernels.NATIVE]
+    assert Kernels.of("native") is Kernels.NATIVE and Kernels.NATIVE == "native" and repr(Kernels.XLA) == "'xla'"
+    for bad in ("triton", ["xla"], None, 1):
+        with pytest.raises(ValueError, match=r"cfg\.kernels must be one of \('auto', 'xla', 'pallas', 'interpret', 'native'\)"):
+            Kernels.of(bad, "cfg.kernels")
 
 
 def test_heads_with_exact_part_is_attention_over_the_union():
@@ -27,8 +34,8 @@ def test_heads_with_exact_part_is_attention_over_the_union():
     idx = np.stack([rng.permutation(np.arange(20, n))[:c] for _ in range(h)]).astype(np.int32)
     mask = rng.random((h, g, c)) < 0.7
     exact = jax.vmap(lambda q, k, v: dispatch.gather_attention(
-        q, k, v, np.arange(20, dtype=np.int32), np.ones(20, bool), use_kernel=False))(q, k, v)
-    for kw in (dict(use_kernel=False), dict(use_kernel=True, interpret=INTERPRET)):
+        q, k, v, np.arange(20, dtype=np.int32), np.ones(20, bool), kernels="xla"))(q, k, v)
+    for kw in (dict(kernels="xla"), dict(kernels="interpret" if INTERPRET else "pallas")):
         o, l, _ = dispatch.gather_attention_heads(q, k, v, idx, mask, exact=exact, **kw)
         for head in range(h):
             for row in range(g):

@@ -47,8 +47,8 @@ def _keys(seed, n, d=16):
 @pytest.mark.parametrize("cls", [magicpig.MagicPIGConfig, pariskv.ParisKVConfig])
 def test_kernels_field_is_validated_and_defaults_to_auto(cls):
     assert cls().kernels == "auto"
-    assert cls().uses_kernels() == (jax.default_backend() == "gpu")
-    assert not cls(kernels="xla").uses_kernels() and cls(kernels="interpret").uses_kernels()
+    assert cls().kernels.uses_pallas() == (jax.default_backend() == "gpu")
+    assert not cls(kernels="xla").kernels.uses_pallas() and cls(kernels="interpret").kernels.uses_pallas()
     with pytest.raises(ValueError, match="kernels"):
         cls(kernels="triton")
     with pytest.raises(ValueError, match="kernels"):
@@ -117,9 +117,9 @@ def test_pariskv_candidates_rerank_and_selection_equal_the_xla_path(n):
 # cannot compile, without a GPU. SmolLM2-like head (d = 64, GQA 3), retrieval on
 # the device, a capacity that is not a power of two.
 _CUDA_CASES = [
-    (magicpig, magicpig.MagicPIGConfig(K=8, L=20, kernels="pallas"),
+    (magicpig.METHOD, magicpig.MagicPIGConfig(K=8, L=20, kernels="pallas"),
      ["simhash", "collide_count", "compact", "gather_attention"]),
-    (pariskv, pariskv.ParisKVConfig(kernels="pallas"), ["vote_totals", "compact", "rsq_rerank", "gather_attention"]),
+    (pariskv.METHOD, pariskv.ParisKVConfig(kernels="pallas"), ["vote_totals", "compact", "rsq_rerank", "gather_attention"]),
 ]
 
 
@@ -143,7 +143,7 @@ def test_decode_step_lowers_for_cuda_through_the_kernels(method, mcfg, kernels):
 
 
 def test_pariskv_vote_kernel_takes_a_capacity_above_1024_not_a_multiple_of_1024():
-    _lower_retrieval_step(pariskv, pariskv.ParisKVConfig(kernels="pallas"), capacity=1300)
+    _lower_retrieval_step(pariskv.METHOD, pariskv.ParisKVConfig(kernels="pallas"), capacity=1300)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ M = 8  # coordinates per subspace
 CENTRES = np.array([0.0420, 0.1266, 0.2130, 0.3025, 0.3973, 0.5001, 0.6169, 0.7633], np.float32)
 EPS32 = np.finfo(np.float32).eps
 # The XLA path and the kernel path of the public entry point.
-BOTH_PATHS = (dict(use_kernel=False), dict(use_kernel=True, interpret=INTERPRET))
+BOTH_PATHS = (dict(kernels="xla"), dict(kernels="interpret" if INTERPRET else "pallas"))
 
 
 def _problem(seed, n, dp, c):

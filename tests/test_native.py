@@ -222,15 +222,15 @@ def test_native_window_partial_is_the_xla_partial(win_start, win_len, dtype):
     ccfg = CacheConfig(sink=4, local=200, buffer=100, dense_threshold=0).resolve(mcfg)
     keys = _keys(30, (b, h, prompt, d)).astype(dtype)
     state = kvcache.regions_from_prefill(keys, _keys(31, keys.shape).astype(dtype), jnp.full((b,), prompt, jnp.int32),
-                                         method=pariskv, mcfg=mcfg, ccfg=ccfg, capacity=prompt,
+                                         method=pariskv.METHOD, mcfg=mcfg, ccfg=ccfg, capacity=prompt,
                                          key=jax.random.key(0))
     state = dataclasses.replace(state, win_start=jnp.full((b,), win_start, jnp.int32),
                                 win_len=jnp.full((b,), win_len, jnp.int32))
     q = _keys(32, (b, h, 3, d)) * 0.3
-    assert kvcache.attends_in_place(pariskv, mcfg, state.win_k)
+    assert kvcache.attends_in_place(pariskv.METHOD, mcfg, state.win_k)
     exact = jax.jit(kvcache._exact_partial, static_argnames=("method", "mcfg"))
-    got = exact(q, state, method=pariskv, mcfg=mcfg)
-    want = exact(q, state, method=pariskv, mcfg=dataclasses.replace(mcfg, kernels="xla"))
+    got = exact(q, state, method=pariskv.METHOD, mcfg=mcfg)
+    want = exact(q, state, method=pariskv.METHOD, mcfg=dataclasses.replace(mcfg, kernels="xla"))
     _assert_partials_close(got, want)
 
 
@@ -306,8 +306,8 @@ def test_native_attention_refuses_other_row_types():
 
 
 def test_native_mode_is_validated():
-    assert CFG.uses_native() and not CFG.uses_kernels()
-    assert not pariskv.ParisKVConfig().uses_native()
+    assert CFG.kernels.uses_native() and not CFG.kernels.uses_pallas()
+    assert not pariskv.ParisKVConfig().kernels.uses_native()
     with pytest.raises(ValueError, match="m=8"):
         pariskv.ParisKVConfig(m=4, kernels="native")
     index = pariskv.build(CFG, _keys(4, (300, 256)), jnp.int32(300))  # P = 256: too wide
@@ -336,7 +336,7 @@ def test_generate_with_native_kernels_gives_the_xla_tokens(one_layer, method, mc
     config, params = one_layer
     params = models.cast_params(params, dtype)
     module = {"pariskv": pariskv, "magicpig": magicpig}[method]
-    assert module.reads_rows_in_place(dataclasses.replace(mcfg, kernels="native"),
+    assert module.METHOD.reads_rows_in_place(dataclasses.replace(mcfg, kernels="native"),
                                       models.stored_rows(jnp.zeros((1, 16), dtype))) == native.available()
     prompt = _prompts([30], seed=11)
     cache = CacheConfig(sink=2, local=4, buffer=3, dense_threshold=0)
@@ -429,7 +429,9 @@ def test_native_dense_decode_refuses_other_layouts():
     with pytest.raises(ValueError, match=r"needs keys \[..., 2, 64, S\]"):
         native.dense_decode(qg, keys.swapaxes(-1, -2), values, 5)  # head-major keys
     with pytest.raises(ValueError, match="DenseConfig.kernels must be one of"):
-        dense.DenseConfig(kernels="auto")
+        dense.DenseConfig(kernels="triton")
+    with pytest.raises(ValueError, match="dense attention has no Pallas kernel"):
+        dense.DenseConfig(kernels="pallas")
 
 
 @all_kernels
@@ -600,9 +602,9 @@ def test_native_magicpig_flush_rewrites_the_id_lists_in_place():
     ccfg = CacheConfig(sink=2, local=8, buffer=8, dense_threshold=0).resolve(mcfg)
     keys = _keys(10, (b, h, prompt, d))
     state = jax.jit(lambda k: kvcache.regions_from_prefill(
-        k, k * 0.5, jnp.full((b,), prompt, jnp.int32), method=magicpig, mcfg=mcfg, ccfg=ccfg,
+        k, k * 0.5, jnp.full((b,), prompt, jnp.int32), method=magicpig.METHOD, mcfg=mcfg, ccfg=ccfg,
         capacity=prompt, key=jax.random.key(0)))(keys)
-    flush = jax.jit(functools.partial(kvcache.flush, method=magicpig, mcfg=mcfg, ccfg=ccfg), donate_argnums=0)
+    flush = jax.jit(functools.partial(kvcache.flush, method=magicpig.METHOD, mcfg=mcfg, ccfg=ccfg), donate_argnums=0)
     hlo = flush.lower(state).compile().as_text()
     lists = ",".join(map(str, state.index.sorted_ids.shape[-2:]))
     writers = set(re.findall(rf"= s32\[(?:\d+,)*{lists}\]\{{[\d,]*\}} ([\w-]+)\(", hlo))
@@ -612,8 +614,8 @@ def test_native_magicpig_flush_rewrites_the_id_lists_in_place():
 
 @all_kernels
 def test_native_magicpig_is_validated():
-    assert MAGICPIG.uses_native() and not MAGICPIG.uses_kernels()
-    assert magicpig.host_index_fields(MAGICPIG) == () and magicpig.host_index_fields(magicpig.MagicPIGConfig())
+    assert MAGICPIG.kernels.uses_native() and not MAGICPIG.kernels.uses_pallas()
+    assert magicpig.METHOD.host_index_fields(MAGICPIG) == () and magicpig.METHOD.host_index_fields(magicpig.MagicPIGConfig())
     index = magicpig.build(MAGICPIG, _keys(10, (500, 32)), 500, jax.random.key(0))
     q = _keys(11, (2, 32))
     with pytest.raises(ValueError, match="in place"):  # host-resident id lists cannot be read by the kernel

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxkv import native
+from models.native import build
 
 
 @pytest.fixture
@@ -15,11 +16,11 @@ def cpu_without(monkeypatch):
     """Pretends /proc/cpuinfo lacks one required flag; the real answer comes back after."""
     def lacking(flag: str) -> None:
         others = " ".join(f for f in native.REQUIRED_CPU_FLAGS if f != flag)
-        monkeypatch.setattr(native, "_cpu_flags", lambda: f"flags\t\t: fpu sse2 avx2 {others}")
-        native._registration.cache_clear()
+        monkeypatch.setattr(build, "cpu_flags", lambda: f"flags\t\t: fpu sse2 avx2 {others}")
+        native.LIBRARY.reset()
     yield lacking
     monkeypatch.undo()
-    native._registration.cache_clear()  # decided again for this CPU (the kernels re-registered)
+    native.LIBRARY.reset()  # decided again for this CPU (the kernels re-registered)
 
 
 @pytest.mark.parametrize("flag", native.REQUIRED_CPU_FLAGS)
@@ -43,12 +44,12 @@ def test_a_failed_build_reports_the_compiler_errors_not_its_warnings(tmp_path, m
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("JAXKV_NATIVE_CACHE", str(tmp_path / "cache"))
-    native._registration.cache_clear()
+    native.LIBRARY.reset()
     try:
         reason = native.unavailable_reason()
     finally:
         monkeypatch.undo()
-        native._registration.cache_clear()
+        native.LIBRARY.reset()
     assert reason.endswith("failed:\ndense_cpu.cc:129:22: error: cannot convert 'const float*'"), reason
 
 
@@ -58,9 +59,10 @@ _AVX2_ONLY = """
 import jax, jax.numpy as jnp
 from jaxkv import native
 from jaxkv.attention import pariskv
+from models.native import build
 avx512_only = [f for f in native.REQUIRED_CPU_FLAGS if f not in native.AVX2_CPU_FLAGS]
-line = " ".join(w for w in native._cpu_flags().split(" ") if w not in avx512_only)
-native._cpu_flags = lambda: line
+line = " ".join(w for w in build.cpu_flags().split(" ") if w not in avx512_only)
+build.cpu_flags = lambda: line
 assert native.available(*native.AVX2_TARGETS) and not native.available()
 assert native.unavailable_reason("jaxkv_attend_rows").endswith(f"without {', '.join(avx512_only)}")
 values = jnp.asarray([3.0, -1.0, 3.0, 7.0, 0.5])
@@ -70,7 +72,7 @@ try:
     raise AssertionError("dense_decode ran without AVX-512")
 except native.NativeUnavailable as error:
     assert "without" in str(error)
-assert not pariskv.reads_rows_in_place(pariskv.ParisKVConfig(kernels="native"), jnp.zeros((4, 16)))
+assert not pariskv.METHOD.reads_rows_in_place(pariskv.ParisKVConfig(kernels="native"), jnp.zeros((4, 16)))
 print("ok")
 """
 
@@ -79,7 +81,7 @@ def test_an_avx2_cpu_gets_pariskv_s_selection_alone():
     """This CPU's flags less every AVX-512 one and GFNI (on an AVX2 CPU, its own flags): the
     library is built for it and only ParisKV's selection registered; the other kernels refuse
     with the flags they lack, and ParisKV's native mode attends its rows in XLA."""
-    flags = native._cpu_flags().split()
+    flags = build.cpu_flags().split()
     if not set(native.AVX2_CPU_FLAGS) <= set(flags):
         pytest.skip(f"this CPU lacks one of {native.AVX2_CPU_FLAGS}")
     run = subprocess.run([sys.executable, "-c", _AVX2_ONLY], capture_output=True, text=True, timeout=600)

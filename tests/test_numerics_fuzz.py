@@ -34,19 +34,22 @@ N = SINK + LOCAL + 24  # 24 keys in the retrieval region
 
 # Small settings of every method (official defaults are far larger than 24 retrieval keys).
 METHODS = {
-    "magicpig": (magicpig, magicpig.MagicPIGConfig(K=4, L=8, sink=SINK, local=LOCAL)),
-    "pariskv": (pariskv, pariskv.ParisKVConfig(top_k=4, sink=SINK, local=LOCAL)),
-    "pqcache": (pqcache, pqcache.PQCacheConfig(n_centroids=4, kmeans_iters=3, top_k=4, sink=SINK, local=LOCAL)),
-    "topk": (topk, topk.TopKConfig(top_k=4, sink=SINK, local=LOCAL)),
-    "hybrid": (hybrid, hybrid.HybridConfig(top_k=2, sink=SINK, local=LOCAL)),
-    "hybrid_lsh": (hybrid, hybrid.HybridConfig(top_k=2, tail="lsh", K=4, L=8, sink=SINK, local=LOCAL)),
+    "magicpig": (magicpig.METHOD, magicpig.MagicPIGConfig(K=4, L=8, sink=SINK, local=LOCAL)),
+    "pariskv": (pariskv.METHOD, pariskv.ParisKVConfig(top_k=4, sink=SINK, local=LOCAL)),
+    "pqcache": (pqcache.METHOD,
+                pqcache.PQCacheConfig(n_centroids=4, kmeans_iters=3, top_k=4, sink=SINK, local=LOCAL)),
+    "topk": (topk.METHOD, topk.TopKConfig(top_k=4, sink=SINK, local=LOCAL)),
+    "hybrid": (hybrid.METHOD, hybrid.HybridConfig(pariskv=pariskv.ParisKVConfig(top_k=2), sink=SINK, local=LOCAL)),
+    "hybrid_lsh": (hybrid.METHOD, hybrid.HybridConfig(pariskv=pariskv.ParisKVConfig(top_k=2), tail="lsh",
+                                                      magicpig=magicpig.MagicPIGConfig(K=4, L=8),
+                                                      sink=SINK, local=LOCAL)),
 }
 
 
 @functools.partial(jax.jit, static_argnames=("name",))
 def attend(name, q, keys, values):
     method, cfg = METHODS[name]
-    return common.attend_with_method(method, cfg, q, keys, values, jax.random.key(1))
+    return method.attend(cfg, q, keys, values, jax.random.key(1))
 
 
 SCALES = st.sampled_from([1e-12, 1e-6, 1.0, 1e3, 1e6])

@@ -215,7 +215,7 @@ def test_selection_uses_the_group_mean_query_and_masks_unused_rows():
     idx, mask = np.asarray(sel.idx), np.asarray(sel.mask)
     assert mask.sum() == 12
     np.testing.assert_array_equal(np.sort(idx[mask]), np.arange(12))
-    assert pariskv.correction(CFG, index, q, keys[sel.idx], sel) is None
+    assert pariskv.METHOD.correction(CFG, index, q, keys[sel.idx], sel) is None
 
 
 def test_empty_index_selects_nothing():

@@ -1,4 +1,4 @@
-"""Weight matrices kept in GGUF blocks (``models.quantized``, ``jaxkv.native.quantized_matmul``).
+"""Weight matrices kept in GGUF blocks (``models.quantized``, ``models.native.quantized_matmul``).
 
 References: ``gguf.quants.dequantize`` (the gguf package's own dequantisation) for the
 blocks' values, and the decoder on those values as float32 arrays for every product.
@@ -16,8 +16,8 @@ import pytest
 import jaxkv
 import models
 from helpers_tiny_models import tiny_config
-from jaxkv import native, sharding
-from models import quantized
+from jaxkv import sharding
+from models import native, quantized
 
 FORMATS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 native_only = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))

@@ -1,20 +1,9 @@
-"""What every attention method shares: partial results, their merge, selections.
+"""What every attention method shares: partial results and their merge, selections, bit-packed masks.
 
-Everything here is written for ONE KV head: a query group ``q[G, d]`` (the G
-query heads that share the KV head), keys and values ``[N, d]``. Batch and
-heads come from ``jax.vmap``.
-
-A *partial* attention result is the flash-decoding triple (o, l, m): for the
-scores ``s_i`` it covers, ``m = max_i s_i``, ``l = Σ exp(s_i − m)`` and
-``o = Σ exp(s_i − m) v_i`` (unnormalised). Partials over disjoint key sets merge
-exactly by log-sum-exp, which is how the exact regions (sink, local, buffer) are
-combined with whatever a sparse method estimates over the retrieval region.
-
-A *selection* is what a sparse method hands to the gather step: static-capacity
-row indices into the retrieval region, a mask of which slots are real, an
-additive score correction (MagicPIG's ``−log u``; zero for top-k retrieval) and,
-optionally, a partial the method estimated from its index alone for rows it
-does not read (the hybrid's regression tail), merged with the rows read.
+Everything here is for ONE KV head: a query group ``q[G, d]`` (the G query heads that
+share the KV head), keys and values ``[N, d]``; batch and heads come from ``jax.vmap``.
+Partials over disjoint key sets merge exactly by log-sum-exp (:func:`merge`): that is
+how the exact regions are combined with a sparse method's estimate over the retrieval region.
 """
 from __future__ import annotations
 
@@ -38,7 +27,8 @@ FULL_F32 = jax.lax.Precision.HIGHEST
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Partial:
-    """Unnormalised attention over a subset of keys, for G query heads."""
+    """Unnormalised attention over a subset of keys, for G query heads: the flash-decoding
+    triple (o, l, m) over the scores s_i it covers."""
 
     o: jax.Array  # [G, d] float32, Σ exp(s_i − m) v_i
     l: jax.Array  # [G] float32,   Σ exp(s_i − m)
@@ -48,9 +38,9 @@ class Partial:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Selection:
-    """Rows of the retrieval region a method wants read, for one KV head.
+    """Rows of the retrieval region a method wants read, for one KV head (static capacity C).
 
-    idx:        [C] int32 row indices (any value where the slot is unused).
+    idx:        [C] int32 row indices in [0, cap) (any such row where the slot is unused).
     mask:       [C] or [G, C] bool; per query head where heads sample separately.
     log_weight: None, [C] or [G, C] float32 added to the scores (importance
                 correction, e.g. −log u for MagicPIG).
@@ -166,7 +156,7 @@ def _bits_before(words: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(set bits per word, set bits in the words before it), int32 [W] each."""
     counts = jax.lax.population_count(words).astype(jnp.int32)
     # Running sums and maxima here are associative scans: jnp.cumsum and lax.cummax lower to
-    # a reduce-window on XLA CPU (1.2 ms for 3 × 26,214 slots in the looped ParisKV step).
+    # a slow reduce-window on XLA CPU (docs/results/implementation_notes.md, "Selections").
     return counts, jax.lax.associative_scan(jnp.add, counts) - counts
 
 
@@ -211,9 +201,8 @@ def compact_rows(mask: jax.Array, size: int, fill: int = 0) -> jax.Array:
     (XLA CPU runs a scatter one update at a time): the mask is packed into
     32-row words; each word that holds a True writes its index into the slot of
     its first True (N/32 updates), a running max hands it to the slots after,
-    and a slot's row is found inside its word by popcounts. 3 heads × 262,140
-    rows into 26,214 slots (a probe of this scheme with lax.cummax, looped):
-    6.5 ms for the scatter of every row it replaces, 1.7 ms.
+    and a slot's row is found inside its word by popcounts
+    (docs/results/implementation_notes.md, "Selections").
     """
     return compact_words(pack_words(mask), size, fill)
 
@@ -242,44 +231,3 @@ def exact_and_retrieval_split(n: int, sink: int, local: int) -> tuple[int, int]:
     if n <= sink + local:
         return n, n
     return sink, n - local
-
-
-def build_index(method, cfg, keys, values, n, key):
-    """``method.build`` over keys[cap, d]; values too for a method whose index models them."""
-    if getattr(method, "INDEX_USES_VALUES", False):
-        return method.build(cfg, keys, n, key, values=values)
-    return method.build(cfg, keys, n, key)
-
-
-def insert_index(method, cfg, index, keys_new, values_new, count):
-    """``method.insert`` of keys_new[U, d]; values_new too for a method whose index models them."""
-    if getattr(method, "INDEX_USES_VALUES", False):
-        return method.insert(cfg, index, keys_new, count, values_new=values_new)
-    return method.insert(cfg, index, keys_new, count)
-
-
-def attend_with_method(method, cfg, q, keys, values, key=None):
-    """One KV head's estimate over a whole context, the way a study uses a method.
-
-    ``method`` is a method module (``magicpig``, ``pariskv``, ``pqcache``) with
-    ``build``, ``select`` and ``correction``; ``cfg`` its config (with ``sink``
-    and ``local``). The first ``sink`` and last ``local`` keys are attended
-    exactly; the index is built over the rest and the selection merged in.
-    Returns (output [G, d], distinct keys read).
-    """
-    n = keys.shape[0]
-    start, end = exact_and_retrieval_split(n, cfg.sink, cfg.local)
-    exact_k = jnp.concatenate([keys[:start], keys[end:]])
-    exact_v = jnp.concatenate([values[:start], values[end:]])
-    parts = [partial_attention(q, exact_k, exact_v)]
-    n_read = jnp.int32(exact_k.shape[0])
-    if end > start:
-        key = jax.random.key(0) if key is None else key
-        retr_k, retr_v = keys[start:end], values[start:end]
-        index = build_index(method, cfg, retr_k, retr_v, jnp.int32(end - start), key)
-        sel = method.select(cfg, index, q)
-        k_rows, v_rows = retr_k[sel.idx], retr_v[sel.idx]
-        sel = dataclasses.replace(sel, log_weight=method.correction(cfg, index, q, k_rows, sel))
-        parts.append(attend_selection(q, k_rows, v_rows, sel))
-        n_read = n_read + sel.distinct_rows()
-    return finalize(merge(*parts)), n_read

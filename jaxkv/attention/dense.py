@@ -11,25 +11,28 @@ import jax.numpy as jnp
 import models
 from jaxkv import native
 from jaxkv.attention import common
-
-KERNEL_MODES = ("xla", "native")
+from pallas_kernels.dispatch import Kernels
 
 
 @dataclasses.dataclass(frozen=True)
 class DenseConfig:
     """How generate()'s dense layers attend in a decode step.
 
-    kernels: "xla" (``models.prefix_causal_attention``: every slot of the cache
-        read, those past the query's position masked) or "native" (``jaxkv.native``'s
+    kernels: "auto" or "xla" (``models.prefix_causal_attention``: every slot of the
+        cache read, those past the query's position masked) or "native" (``jaxkv.native``'s
         CPU kernel: each sequence's keys up to its position only, float32 or
-        bfloat16 read in place). Prefill attends in XLA either way.
+        bfloat16 read in place). Prefill attends in XLA either way. There is no
+        Pallas kernel for dense attention: "pallas" and "interpret" are refused.
     """
 
-    kernels: str = "xla"
+    kernels: Kernels = Kernels.AUTO
 
     def __post_init__(self):
-        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_MODES:
-            raise ValueError(f"DenseConfig.kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
+        kernels = Kernels.of(self.kernels, "DenseConfig.kernels")
+        if kernels in (Kernels.PALLAS, Kernels.INTERPRET):
+            raise ValueError(f"DenseConfig.kernels={kernels.value!r}: dense attention has no Pallas kernel; "
+                             f"use 'auto', 'xla' or 'native'")
+        object.__setattr__(self, "kernels", kernels)
 
 
 def native_decode_attention(q, k_all, v_all, q_positions):

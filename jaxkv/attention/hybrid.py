@@ -1,50 +1,23 @@
-"""Hybrid: retrieve the head of the attention exactly, estimate the tail.
+"""Hybrid, for one KV head: retrieve the head of the attention exactly, estimate the tail.
 
-One KV head (query group q[G, d], keys [N, d]); batch and heads come from vmap.
-
-- Head: ParisKV's retrieval (coarse votes + RSQ-IP rerank) picks ``top_k`` rows
-  of the retrieval region; they are attended exactly, like sink + local + buffer.
-- Tail, two estimators (``tail``):
-
-  ``"regression"`` (default) reads no K/V row. The tail is ParisKV's candidates
-  minus the head. Their scores come from the RSQ codes the rerank already read
-  (ŝ_i = ‖q_g‖⟨k̃_i, q̃_g⟩/√d per query head, k̃_i = :func:`rsq.reconstruct`), and
-  their values from a least-squares map fitted over the region,
-  v̂_i = [k̃_i, 1]·A (K and V are both projections of the same hidden states, so
-  the key code predicts much of the value; A is refitted from running sums at
-  every insert). The tail's partial is then
-  Σ_i e^{ŝ_i} v̂_i = [Σ_i e^{ŝ_i} k̃_i, Σ_i e^{ŝ_i}]·A: one small matmul, merged
-  with the exact partials by log-sum-exp. It is biased (keys outside the
-  candidates are left out; v̂ is a regression) but has no sampling noise and
-  costs no budget: docs/results/hybrid.md measures it against both papers.
-
-  ``"lsh"``: MagicPIG's SimHash sampling over the retrieval region *minus* the
-  head; a sampled row i gets the score correction −log u_i (u_i its inclusion
-  probability). Both parts travel in one :class:`common.Selection` (idx = head
-  slots then tail slots, mask [G, C], log_weight 0 on head slots and −log u on
-  tail slots), so the cache's single gather and softmax compute
-
-      ô = (Σ_E e^{s_j} v_j + Σ_H e^{s_i} v_i + Σ_{T∩S} e^{s_i}/u_i · v_i)
-          / (Σ_E e^{s_j}   + Σ_H e^{s_i}   + Σ_{T∩S} e^{s_i}/u_i)
-
-  with E the exact regions, H the head, T = retrieval − H the tail and S the LSH
-  sample. H is a deterministic function of (q, keys), independent of the LSH
-  projection, so given H both tail sums are Horvitz–Thompson estimates, unbiased
-  for Σ_T e^{s_i} v_i and Σ_T e^{s_i}. Rows in both H and S are read once (their
-  tail slot is masked out). ``top_k = 0`` is MagicPIG, exactly.
-
-  ``"none"``: the head alone, i.e. ParisKV, exactly.
+The head is ParisKV's top-k, attended exactly like the sink, local and buffer tokens.
+The tail (``HybridConfig.tail``) is either ``"regression"`` (ParisKV's other candidates,
+scored from their RSQ codes, their values from a least-squares map of the codes: no K/V
+row read), ``"lsh"`` (MagicPIG's importance-corrected sample of the rest) or ``"none"``
+(ParisKV alone). Without a head it is MagicPIG. docs/results/hybrid.md measures it.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.attention import common, magicpig, pariskv, rsq
+from jaxkv.attention.magicpig import MagicPIGConfig
+from jaxkv.attention.method import SparseMethod
+from jaxkv.attention.pariskv import ParisKVConfig
 
 
 TAILS = ("regression", "lsh", "none")
@@ -55,68 +28,57 @@ RIDGE = 1e-3
 # CG stops at this relative residual, or after this many iterations per feature (exact
 # arithmetic needs one per feature; float32 a few more).
 CG_TOL, CG_ITERATIONS_PER_FEATURE = 1e-6, 3
-INDEX_USES_VALUES = True  # the regression tail fits values at build and insert
 
 
 @dataclasses.dataclass(frozen=True)
 class HybridConfig:
-    """Static hybrid settings.
+    """Static hybrid settings: the configs of the two methods it combines, and its own regions.
 
-    top_k: head rows retrieved by ParisKV (0: no head, i.e. MagicPIG; "lsh" tail only).
+    pariskv: the head, ParisKV's retrieval of its ``top_k`` rows (with its m, candidate
+        and collision ratios, levels, seed, kernels). None: no head ("lsh" tail only,
+        i.e. MagicPIG).
     tail: "regression" (RSQ scores + regressed values of the non-head candidates, no
         K/V read), "lsh" (MagicPIG's sampling of the rest) or "none" (ParisKV).
-    K, L, min_hits, capacity, candidate_capacity, center: MagicPIG's settings ("lsh" tail).
-    m, candidate_ratio, collision_ratio, official_levels: ParisKV's head settings.
-    sink, local, buffer: the exact regions (small by default so the budget goes to the head).
+    magicpig: the "lsh" tail's sampling (K, L, min_hits, capacity, candidate_capacity,
+        center, seed, kernels).
+    sink, local, buffer, dense_layers: the hybrid's exact regions and dense layers
+        (small regions by default so the budget goes to the head). They replace the
+        nested configs' own (:meth:`head_config`, :meth:`tail_config`).
+    On the command line: ``--set pariskv.top_k=2048 --set magicpig.L=100``.
     """
 
-    top_k: int = 100
+    pariskv: ParisKVConfig | None = ParisKVConfig()
     tail: str = "regression"
-    K: int = 10
-    L: int = 150
+    magicpig: MagicPIGConfig = MagicPIGConfig()
     sink: int = 4
     local: int = 64
     buffer: int = 64
-    min_hits: int = 2
-    capacity: int | float = 0.125
-    candidate_capacity: int | float = 0.5
-    center: bool = True
-    m: int = 8
-    candidate_ratio: float | None = None
-    collision_ratio: float | None = None
-    official_levels: bool = False
-    seed: int = 0
     dense_layers: tuple = ()
 
     def __post_init__(self):
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"HybridConfig.top_k must be an int >= 0, got {self.top_k!r}")
         if self.tail not in TAILS:
             raise ValueError(f"HybridConfig.tail must be one of {TAILS}, got {self.tail!r}")
-        if self.top_k == 0 and self.tail != "lsh":
-            raise ValueError(f"HybridConfig: top_k=0 with tail={self.tail!r} has no head to work from; "
-                             "use top_k >= 1 or tail='lsh' (MagicPIG alone)")
+        if self.pariskv is not None and not isinstance(self.pariskv, ParisKVConfig):
+            raise ValueError(f"HybridConfig.pariskv must be a ParisKVConfig or None, got {self.pariskv!r}")
+        if not isinstance(self.magicpig, MagicPIGConfig):
+            raise ValueError(f"HybridConfig.magicpig must be a MagicPIGConfig, got {self.magicpig!r}")
+        if self.pariskv is None and self.tail != "lsh":
+            raise ValueError(f"HybridConfig: pariskv=None with tail={self.tail!r} has no head to work from; "
+                             "give a ParisKVConfig or use tail='lsh' (MagicPIG alone)")
+        common.check_non_negative(self, "sink", "local", "buffer")
         if isinstance(self.dense_layers, list):
             object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
-        try:  # the parts validate their own fields; name this config in the message
-            self.head_config()
-            self.tail_config()
-        except ValueError as e:
-            raise ValueError(f"HybridConfig: {e}") from None
 
-    def head_config(self) -> pariskv.ParisKVConfig:
-        """ParisKV's config for the head (top_k ≥ 1 even when the head is off, for validation)."""
-        return pariskv.ParisKVConfig(
-            m=self.m, top_k=max(self.top_k, 1), sink=self.sink, local=self.local, buffer=self.buffer,
-            candidate_ratio=self.candidate_ratio, collision_ratio=self.collision_ratio,
-            official_levels=self.official_levels, seed=self.seed, dense_layers=self.dense_layers)
+    def head_config(self) -> ParisKVConfig | None:
+        """The head's ParisKV config with the hybrid's regions and dense layers (None: no head)."""
+        if self.pariskv is None:
+            return None
+        return dataclasses.replace(self.pariskv, sink=self.sink, local=self.local, buffer=self.buffer,
+                                   dense_layers=self.dense_layers)
 
-    def tail_config(self) -> magicpig.MagicPIGConfig:
-        """MagicPIG's config for the tail."""
-        return magicpig.MagicPIGConfig(
-            K=self.K, L=self.L, sink=self.sink, local=self.local, dense_layers=self.dense_layers,
-            min_hits=self.min_hits, capacity=self.capacity,
-            candidate_capacity=self.candidate_capacity, center=self.center, seed=self.seed)
+    def tail_config(self) -> MagicPIGConfig:
+        """The "lsh" tail's MagicPIG config with the hybrid's regions and dense layers."""
+        return dataclasses.replace(self.magicpig, sink=self.sink, local=self.local, dense_layers=self.dense_layers)
 
 
 @jax.tree_util.register_dataclass
@@ -156,7 +118,7 @@ class ReadStats:
 
 
 def _has_head(cfg: HybridConfig) -> bool:
-    return cfg.top_k > 0
+    return cfg.pariskv is not None
 
 
 def n_head_slots(cfg: HybridConfig, capacity: int) -> int:
@@ -179,7 +141,7 @@ def index_bytes_per_key(cfg: HybridConfig, d: int) -> int:
 def _reconstructions(cfg: HybridConfig, codes) -> jax.Array:
     """k̃ [C, P] of ParisKV code rows (what the rerank's estimate is a dot product with)."""
     _, centres = pariskv._levels(cfg.head_config())
-    return rsq.reconstruct(codes, cfg.m, centres)
+    return rsq.reconstruct(codes, cfg.pariskv.m, centres)
 
 
 def _features(recon: jax.Array) -> jax.Array:
@@ -189,10 +151,9 @@ def _features(recon: jax.Array) -> jax.Array:
 def _fit(gram: jax.Array, cross: jax.Array) -> jax.Array:
     """The ridge solution A of (gram + ridge)·A = cross.
 
-    By Jacobi-preconditioned conjugate gradients, not ``jnp.linalg.solve``: XLA
-    CPU runs LAPACK as a custom call that, inside the cache's big vmapped build,
-    deadlocked its intra-op thread pool (a 30-layer build never returned; the
-    same build without the solve took 19 s). CG is plain XLA ops on every backend.
+    By Jacobi-preconditioned conjugate gradients, not ``jnp.linalg.solve``: XLA CPU's
+    LAPACK custom call deadlocked its thread pool inside the cache's vmapped build
+    (docs/results/hybrid.md, "The solve"). CG is plain XLA ops on every backend.
     """
     system = gram + jnp.diag(RIDGE * jnp.diagonal(gram) + 1e-30)  # + ε: an empty region fits A = 0
     diagonal = jnp.diagonal(system)
@@ -222,7 +183,7 @@ def _value_model(cfg: HybridConfig, codes, values: jax.Array, live: jax.Array,
 def _require_values(values):
     if values is None:
         raise ValueError("HybridConfig(tail='regression') fits values: pass values= to build and insert "
-                         "(common.build_index / common.insert_index do)")
+                         "(the cache's calls, Hybrid.build and Hybrid.insert, do)")
 
 
 # ---------------------------------------------------------------- index
@@ -271,7 +232,14 @@ def _rows_in(rows: jax.Array, members: jax.Array, member_valid: jax.Array) -> ja
 
 
 def _regression_tail(cfg: HybridConfig, index: HybridIndex, q, candidates, in_tail) -> common.Partial:
-    """Partial [G] over the candidates in_tail (not read): RSQ scores, regressed values."""
+    """Partial [G] over the candidates in_tail (not read): RSQ scores, regressed values.
+
+    ŝ_i = ‖q_g‖⟨k̃_i, q̃_g⟩/√d per query head (k̃_i = ``rsq.reconstruct``, the codes the
+    rerank read) and v̂_i = [k̃_i, 1]·A (K and V project the same hidden states, so the
+    key code predicts much of the value), so Σ_i e^{ŝ_i} v̂_i = [Σ_i e^{ŝ_i} k̃_i, Σ_i e^{ŝ_i}]·A:
+    one small matmul. Biased (keys outside the candidates are left out) but free of
+    sampling noise and of K/V reads.
+    """
     pcfg = cfg.head_config()
     recon = _reconstructions(cfg, jax.tree.map(lambda x: x[candidates], index.head.codes))
     q = q.astype(jnp.float32)
@@ -291,7 +259,15 @@ def _regression_tail(cfg: HybridConfig, index: HybridIndex, q, candidates, in_ta
 
 
 def select(cfg: HybridConfig, index: HybridIndex, q: jax.Array) -> common.Selection:
-    """The head's rows, then the tail's: sampled slots ("lsh", mask [G, k + C]) or an estimated ``rest``."""
+    """The head's rows, then the tail's: sampled slots ("lsh", mask [G, k + C]) or an estimated ``rest``.
+
+    With the "lsh" tail, head slots and sampled tail slots travel in one selection
+    (:func:`correction`: 0 on head slots, −log u on tail slots), so the cache's one
+    softmax computes ô = (Σ_E e^{s} v + Σ_H e^{s} v + Σ_{T∩S} e^{s}/u · v) / (the same
+    without v), E the exact regions, H the head, T the rest of the region, S the LSH
+    sample. H does not depend on the LSH projection, so given H both tail sums are
+    unbiased Horvitz–Thompson estimates. A row in both H and S is read once.
+    """
     if cfg.tail == "regression":
         candidates, valid, best = pariskv.ranked_candidates(cfg.head_config(), index.head, q)
         in_tail = valid & ~jnp.zeros(candidates.shape, bool).at[best].set(True)
@@ -351,6 +327,30 @@ def read_stats(cfg: HybridConfig, index: HybridIndex, q: jax.Array,
                      head_index_bytes=head_bytes, tail_index_bytes=tail_bytes)
 
 
+class Hybrid(SparseMethod):
+    """The hybrid through the cache's interface; its index models the values too (the regression tail)."""
+
+    config_class = HybridConfig
+
+    def build(self, cfg, keys, values, n, key):
+        return build(cfg, keys, n, key, values=values)
+
+    def insert(self, cfg, index, keys_new, values_new, count):
+        return insert(cfg, index, keys_new, count, values_new=values_new)
+
+    def select(self, cfg, index, q, take=None):
+        return select(cfg, index, q)
+
+    def correction(self, cfg, index, q, k_rows, selection):
+        return correction(cfg, index, q, k_rows, selection)
+
+    def top_k(self, cfg):
+        return cfg.pariskv.top_k if _has_head(cfg) else 0
+
+
+METHOD = Hybrid()
+
+
 def attend(cfg: HybridConfig, q, keys, values, key=None):
     """(output [G, d], keys read) over sink + local exactly, the head exactly and the tail sampled."""
-    return common.attend_with_method(sys.modules[__name__], cfg, q, keys, values, key)
+    return METHOD.attend(cfg, q, keys, values, key)

@@ -1,70 +1,16 @@
-"""MagicPIG: SimHash LSH sampling with an importance-corrected softmax.
+"""MagicPIG: SimHash LSH sampling with an importance-corrected softmax, for one KV head.
 
-For one KV head (query group q[G, d]; keys [N, d]) and one layer:
-
-- keys are centred with μ, the mean of the retrieval-region keys at build time
-  (queries are not centred; the softmax is unchanged since every score shifts
-  by q·μ). μ is never retrained: keys inserted later are centred with it.
-- SimHash: a Gaussian projection R[d, K·L]; table l's code of x is the K sign
-  bits of x·R[:, lK:(l+1)K], packed into a uint16 (K ≤ 16). By default R is
-  :func:`projection`, drawn from ``cfg.seed`` for every layer and KV head alike,
-  as in the official code. It is then a constant of the compiled step, not index
-  state: a layer's query hashing reads 384 KB (d = 64, K10L150), not the 1.15 MB
-  of three heads' copies it read when each index stored one (a SmolLM2 token at
-  8k, XLA's trace: 84 against 137 µs a sparse layer). A study of the estimator
-  over random projections passes a PRNG key to :func:`build`, and the index
-  keeps the matrix drawn from it.
-- a key is sampled for query head g iff its code equals g's in at least
-  ``min_hits`` (2) of the L tables; its inclusion probability is
-  u = P(Binomial(L, p^K) ≥ min_hits), p = 1 − θ/π, θ the angle between q_g and
-  k − μ; the estimate is the softmax over [s_i − log u_i, sampled] ∪ [s_j, exact
-  sink + local], merged by log-sum-exp (``common.merge``).
-
-Index layout (an inverted index, not an N×L code comparison): per table, the
-key ids sorted by (code, id) ``sorted_ids[L, cap]`` and the bucket boundaries
-``bucket_starts[L, 2^K + 1]``; bucket b of table l is
-``sorted_ids[l, bucket_starts[l, b]:bucket_starts[l, b + 1]]``. A query reads
-one bucket range per table. Index memory: L int32 ids per key (600 B at
-L = 150, as in the official code) plus L·(2^K + 1) int32 starts per KV head.
-
-Insertion (the update buffer hands over U keys at a time) merges the new keys
-into each table in one linear pass: an old entry moves right by the number of
-new keys in smaller buckets, a new entry lands after the old entries of its
-bucket. Ids are appended in increasing order, so the result equals building the
-index from all keys at once, bit for bit. The merge rewrites the index (4·L
-bytes per key) once per U decode steps. In bytes that is little (600 B per key
-every 64 steps at K10L150, ≈ 9 B per key per step), but every slot of every table moves, and on
-XLA CPU that is ≈ 0.7 s per flush at 262k keys × 3 heads (U = 64: 11 ms per
-step; docs/results/performance.md, "2026-12-01, later"). An unsorted segment
-of recent keys, matched by comparing codes and merged far less often, is what
-would remove it; not built.
-(Measured on the shared 2-core CPU, K10L150, 65k keys: merging 512 keys took
-≈1.4 s, building from scratch ≈2.4–3.3 s, half of it the [N, d]×[d, K·L]
-hashing matmul and half the per-table sort.)
-
-Static capacities and what happens when they overflow (both are reported by
-:func:`select_with_stats`, never silent):
-
-- ``candidate_capacity``: inverted-index entries read per query head, over all
-  tables. When the query's buckets hold more, only the first L' tables that fit
-  are read and u is computed with L' tables, so the estimator stays consistent
-  with what was read (``SelectStats.tables_used`` < L).
-- ``capacity``: sampled keys per KV head (the union over the G query heads).
-  Keys beyond it are dropped, highest ids first (``SelectStats.truncated``).
-
-Numerics, where the official code is weak: the cosine is clamped to [−1, 1]
-and is 0 for a zero-norm query or centred key (the hash of a zero vector is
-degenerate; p = 1/2 keeps the weight finite); log u is computed in log space
-without cancellation (see :func:`collision_log_prob`) instead of
-log(u + 1e-4); an empty sample set gives an empty partial; contexts of at most
-sink + local keys are attended exactly.
+Keys, centred by the retrieval region's mean μ, get a K-bit SimHash code in each of L
+tables; a key is sampled for a query head when its code equals the query's in at least
+``min_hits`` tables, and its score is corrected by −log u (u its inclusion probability,
+computed in log space). The index is inverted: per table, the key ids sorted by code.
+Formulas and parameters: docs/methods/magicpig.md.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +19,9 @@ from jax import lax
 
 from jaxkv import native
 from jaxkv.attention import common
+from jaxkv.attention.method import Regions, SparseMethod
 from pallas_kernels import dispatch
+from pallas_kernels.dispatch import Kernels
 
 # Public entry points compile once per (config, shapes); the config is static.
 _jit_with_static_cfg = functools.partial(jax.jit, static_argnames="cfg")
@@ -85,12 +33,11 @@ MAX_BUCKET_STARTS = 1 << 24
 # Candidate entries read per query head are at least this many per table, so
 # short contexts are not starved by a fractional capacity.
 MIN_CANDIDATES_PER_TABLE = 4
-# Keys hashed per batch when building or inserting: the projections of a batch,
-# [HASH_BATCH, K·L] float32, are 24 MB at K10L150 (all keys at once: 6 GB per
-# head at 1M keys).
+# Keys hashed per batch when building or inserting: bounds the projections held at once
+# ([HASH_BATCH, K·L] float32: 24 MB at K10L150).
 HASH_BATCH = 4096
 # Per-key hit counts of one query head: up to L, and K·L ≤ MAX_HASH_BITS bounds L
-# by 8192, so int16 holds them (scatter-adds of int16 are ~2× faster than int32).
+# by 8192, so int16 holds them (its scatter-adds beat int32's on XLA CPU).
 HIT_COUNT_DTYPE = jnp.int16
 # Binomial tail terms summed directly when the tail decays fast (ratio ≤ 1/2:
 # the remainder after 32 terms is below 2^-31 of the sum).
@@ -98,11 +45,6 @@ TAIL_TERMS = 32
 # Lower bound on log u for a sampled key. Only reachable where the hash and the
 # angle formula disagree (rounding at θ ≈ π); keeps −log u finite in float32.
 LOG_U_FLOOR = math.log(jnp.finfo(jnp.float32).tiny)
-# cfg.kernels → pallas_kernels.dispatch's use_kernel: None = the kernel iff the
-# backend is a GPU; "interpret" runs the kernel in Pallas interpret mode (CPU tests);
-# "native" runs the sampling, the attention over the sample and the merge in jaxkv.native's
-# CPU kernels (XLA for the rest).
-KERNEL_MODES = {"auto": None, "xla": False, "pallas": True, "interpret": True, "native": False}
 
 
 def _is_int(x) -> bool:
@@ -147,7 +89,7 @@ class MagicPIGConfig:
     candidate_capacity: int | float = 0.5
     center: bool = True
     seed: int = 0
-    kernels: str = "auto"
+    kernels: Kernels = Kernels.AUTO
 
     def __post_init__(self):
         def bad(field, rule):
@@ -182,21 +124,7 @@ class MagicPIGConfig:
             bad("candidate_capacity", "must be an int >= 1 or a float > 0")
         if not isinstance(self.center, bool):
             bad("center", "must be a bool")
-        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_MODES:
-            bad("kernels", f"must be one of {tuple(KERNEL_MODES)}")
-
-    def kernel_options(self) -> dict:
-        """Keyword arguments selecting the path of a ``pallas_kernels.dispatch`` call."""
-        return dict(use_kernel=KERNEL_MODES[self.kernels], interpret=self.kernels == "interpret")
-
-    def uses_kernels(self) -> bool:
-        """Whether this config runs the Pallas kernels on the current backend."""
-        return dispatch.kernel_path(**self.kernel_options())
-
-    def uses_native(self) -> bool:
-        """Whether the sampling, the attention over the sample and the merge run in
-        ``jaxkv.native``'s CPU kernels."""
-        return self.kernels == "native"
+        object.__setattr__(self, "kernels", Kernels.of(self.kernels, "MagicPIGConfig.kernels"))
 
     def sample_capacity(self, n_keys: int) -> int:
         """Static number of sampled-key slots for a retrieval capacity of n_keys."""
@@ -219,23 +147,6 @@ def is_dense_layer(cfg: MagicPIGConfig, layer: int) -> bool:
 HOST_INDEX_FIELDS = ("sorted_ids",)
 
 
-def host_index_fields(cfg: MagicPIGConfig) -> tuple[str, ...]:
-    """The index fields the cache keeps in host memory. None for the CPU kernels: on the
-    CPU the device's memory is host memory, and the lists stay where the merge rewrites
-    them in place (host-resident lists visit the device and come back on every flush)."""
-    return () if cfg.uses_native() else HOST_INDEX_FIELDS
-
-
-def inserts_in_place(cfg: MagicPIGConfig) -> bool:
-    """Whether :func:`insert` rewrites the id lists in place (the CPU kernels' merge)."""
-    return cfg.uses_native()
-
-
-# correction() of a slot depends only on that slot's row and mask: the cache may
-# gather, correct and attend the selection a block of slots at a time.
-SLOT_WISE_CORRECTION = True
-
-
 def index_bytes_per_key(cfg: MagicPIGConfig) -> int:
     """Index bytes per key: one int32 id per table (the bucket starts are per head, not per key)."""
     return 4 * cfg.L
@@ -244,7 +155,11 @@ def index_bytes_per_key(cfg: MagicPIGConfig) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MagicPIGIndex:
-    """One KV head's LSH index over a retrieval region of static capacity ``cap``."""
+    """One KV head's LSH index over a retrieval region of static capacity ``cap``.
+
+    Inverted: bucket b of table l is ``sorted_ids[l, bucket_starts[l, b]:bucket_starts[l, b + 1]]``,
+    so a query reads one bucket range per table. L int32 ids per key (600 B at L = 150).
+    """
 
     mu: jax.Array  # [d] float32 centring mean (zeros when cfg.center is False)
     projection: jax.Array | None  # [d, K·L] float32 hyperplanes of its own; None: :func:`projection`'s
@@ -271,9 +186,9 @@ def hash_codes(cfg: MagicPIGConfig, projection: jax.Array, x: jax.Array) -> jax.
     if projection.shape != (x.shape[-1], cfg.K * cfg.L):
         raise ValueError(
             f"projection must be [d={x.shape[-1]}, K*L={cfg.K * cfg.L}], got shape {projection.shape}")
-    if cfg.uses_kernels():
+    if cfg.kernels.uses_pallas():
         flat = x.reshape(-1, x.shape[-1])
-        codes = dispatch.simhash(flat, projection, n_bits=cfg.K, **cfg.kernel_options())
+        codes = dispatch.simhash(flat, projection, n_bits=cfg.K, kernels=cfg.kernels)
         return codes.reshape(*x.shape[:-1], cfg.L)
     # HIGHEST: the sign of a near-zero projection must not depend on TF32 defaults.
     proj = jnp.einsum("...d,dh->...h", x.astype(jnp.float32), projection, precision=lax.Precision.HIGHEST)
@@ -292,7 +207,7 @@ def _log_binomial_terms(n_terms, n_tables, log_hit, log_miss):
     log C(L, j) is a running sum of log((L − i)/(i + 1)), per distinct L (a
     difference of lgammas of size L log L would lose ~1e-4 absolute in float32).
     A list, not one [..., n_terms] array: XLA CPU then fuses the sums over j
-    into one loop instead of materialising [..., n_terms] twice (3× faster).
+    into one loop instead of materialising [..., n_terms] twice.
     """
     i = jnp.arange(n_terms, dtype=jnp.float32)
     tables = n_tables[..., None]
@@ -345,7 +260,9 @@ def collision_log_prob(cos_theta: jax.Array, K: int, L, min_hits: int = 2) -> ja
 
 def projection(cfg: MagicPIGConfig, d: int) -> np.ndarray:
     """The SimHash hyperplanes R[d, K·L] for head size d: float32 N(0, 1) entries drawn
-    from ``cfg.seed``, one matrix for every layer and KV head (a read-only constant)."""
+    from ``cfg.seed``, one matrix for every layer and KV head (a read-only constant), as in
+    the official code. A constant of the compiled step, not index state: a query's hashing
+    reads one matrix, not a copy per head (docs/results/implementation_notes.md, "MagicPIG")."""
     return common.seeded_constant(jax.random.normal, cfg.seed, (d, cfg.K * cfg.L))
 
 
@@ -383,8 +300,8 @@ def _masked_codes(cfg, proj, mu, keys, count):
 def _sort_codes(codes, n_buckets):
     """(codes sorted, their row positions), ties in row order; codes lie in [0, n_buckets].
 
-    Sorting one packed int32 key (code·U + row) is ≈10× faster on XLA CPU than
-    a stable argsort (measured: 150 tables × 3,932 keys, 23 ms vs 218 ms).
+    One packed int32 key (code·U + row) sorts far faster on XLA CPU than a stable
+    argsort (docs/results/implementation_notes.md, "MagicPIG").
     """
     u = codes.shape[0]
     if (n_buckets + 1) * u < 2**31:
@@ -437,21 +354,20 @@ def _merge_table(sorted_ids, starts, new_codes, n):
     # New key j lands after the old entries of its bucket and the new keys before it.
     new_target = jnp.where(
         live, jnp.arange(new_codes.shape[0]) + starts[jnp.minimum(new_codes + 1, n_buckets)], cap)
-    # Gathered, not scattered (XLA CPU scatters ~2x slower): slot t holds the
+    # Gathered, not scattered (XLA CPU scatters slower): slot t holds the
     # next new key where one lands, else the old entry shifted right by the
     # new keys landed at or before t.
     is_new = jnp.zeros(cap, bool).at[new_target].set(True, mode="drop")
-    # By popcounts of the packed slots: jnp.cumsum over every slot is a reduce-window on
-    # XLA CPU (490 ms of a 1 s flush at 262k keys × 3 heads, XLA's per-thunk trace).
+    # By popcounts of the packed slots: jnp.cumsum over every slot is a slow reduce-window
+    # on XLA CPU (docs/results/implementation_notes.md, "MagicPIG").
     new_upto = common.set_bits_through(common.pack_words(is_new))[:cap]
     old_entry = sorted_ids[jnp.maximum(slot - new_upto, 0)]
     merged = jnp.where(is_new, n + new_rows[jnp.maximum(new_upto - 1, 0)],
                        jnp.where(slot < n + jnp.sum(live), old_entry, 0))
     # No bucket has more new keys before it than landed in all (new_upto[-1]):
-    # the clamp changes nothing, but it schedules the new starts after the
-    # merge. Computed first, they took a buffer of their own in XLA CPU and the
-    # untaken branch of the flush cond copied every table's starts on every
-    # decode step (twice per layer: 15 ms of a 236 ms MagicPIG token at 8k).
+    # the clamp changes nothing, but it schedules the new starts after the merge, so
+    # they share its buffer and the flush cond's untaken branch copies no table's starts
+    # (docs/results/implementation_notes.md, "MagicPIG").
     return merged, starts + jnp.minimum(new_before, new_upto[-1])
 
 
@@ -459,15 +375,18 @@ def _merge_table(sorted_ids, starts, new_codes, n):
 def insert(cfg: MagicPIGConfig, index: MagicPIGIndex, keys_new: jax.Array, count) -> MagicPIGIndex:
     """Append the first ``count`` rows of keys_new[U, d] as keys n..n+count-1.
 
-    Nothing is retrained (μ and the projection stay). Rows that do not fit in
-    the capacity are not indexed and are counted in ``index.n_dropped``.
+    Nothing is retrained (μ and the projection stay). Each table takes the new keys
+    in one linear pass: an old entry moves right by the new keys in smaller buckets,
+    a new one lands after its bucket's old entries. Ids are appended in increasing
+    order, so the index equals one built from all keys at once, bit for bit. Rows
+    that do not fit in the capacity are not indexed and are counted in ``index.n_dropped``.
     """
     _check_keys("keys_new", keys_new, index.mu.shape[0])
     cap, u = index.sorted_ids.shape[1], keys_new.shape[0]
     count = jnp.maximum(jnp.asarray(count, jnp.int32), 0)
     taken = jnp.minimum(count, jnp.minimum(u, cap - index.n))
     codes = _masked_codes(cfg, hyperplanes(cfg, index), index.mu, keys_new, taken)
-    if cfg.uses_native():
+    if cfg.kernels.uses_native():
         sorted_ids, starts = native.magicpig_merge(index.sorted_ids, index.bucket_starts, codes, index.n)
     else:
         sorted_ids, starts = jax.vmap(_merge_table, in_axes=(0, 0, 1, None))(
@@ -501,9 +420,8 @@ def _code_buckets(cfg: MagicPIGConfig, index: MagicPIGIndex, codes: jax.Array):
 def _native_query_buckets(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array):
     """(codes [G, L], tables_used [G], entries_read [G]) of q [G, d] by one ``jaxkv.native``
     kernel: what :func:`hash_codes` and :func:`_code_buckets` give (a code's bit may differ
-    where its product is within float32 rounding of 0). XLA's matrix product, bit packing,
-    gathers of bucket starts and running sum took ≈ 128 µs a sparse layer at 8k keys; the
-    kernel takes 67–99."""
+    where its product is within float32 rounding of 0), in one call instead of XLA's product,
+    bit packing, gathers of bucket starts and running sum."""
     return native.magicpig_query_buckets(q, hyperplanes(cfg, index), index.bucket_starts, K=cfg.K,
                                          limit=cfg.candidate_entries(index.sorted_ids.shape[1]))
 
@@ -526,8 +444,8 @@ def _entry_positions(cfg, cap, lo, sizes, running):
     table l (running[l−1] ≤ s < running[l]) is entry l·cap + lo[l] + s − start_l.
     That is s plus a term constant per table, so the term's steps are scattered
     at the tables' starts and summed, instead of finding each slot's table by a
-    binary search (7× slower on XLA CPU at 256k keys). Slots past the tables
-    read hold clipped positions; callers mask them.
+    binary search (slower on XLA CPU). Slots past the tables read hold clipped
+    positions; callers mask them.
     """
     slot = jnp.arange(cfg.candidate_entries(cap), dtype=jnp.int32)
     starts = running - sizes
@@ -541,7 +459,7 @@ def _head_hits(cfg, sorted_ids, lo, sizes, running, read, take):
 
     An id occurs at most once per table, so its count among the first ``read``
     entries of the ragged bucket list is its number of hits: a histogram of the
-    entries instead of sorting them (~5× cheaper on XLA CPU at 256k keys).
+    entries, cheaper on XLA CPU than sorting them.
     """
     cap = sorted_ids.shape[1]
     positions = _entry_positions(cfg, cap, lo, sizes, running)
@@ -562,14 +480,21 @@ def _head_hits_kernel(cfg, index, codes, tables_used, capacity):
     read_table = (jnp.arange(cfg.L) < tables_used)[:, None]
     found = dispatch.collide(
         codes, index.sorted_ids, jnp.where(read_table, index.bucket_starts, 0), capacity=capacity,
-        bucket_capacity=cfg.candidate_entries(cap), min_hits=cfg.min_hits, **cfg.kernel_options())
+        bucket_capacity=cfg.candidate_entries(cap), min_hits=cfg.min_hits, kernels=cfg.kernels)
     hits = jnp.zeros((cap + 1,), bool).at[jnp.where(found.mask, found.idx, cap)].set(True)[:cap]
     return hits, jnp.sum(found.mask, dtype=jnp.int32) + found.overflow
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "take"))
 def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, take=None):
-    """:func:`select` plus what overflowed (:class:`SelectStats`).
+    """:func:`select` plus what overflowed (:class:`SelectStats`), never silently:
+
+    - ``candidate_capacity`` bounds the inverted-index entries a query head reads over
+      all tables. When its buckets hold more, only the first L' tables that fit are read
+      and u is computed with L' tables, so the estimator stays consistent with what was
+      read (``tables_used`` < L).
+    - ``capacity`` bounds the sampled keys per KV head (the union over its query heads);
+      keys beyond it are dropped, highest ids first (``truncated``).
 
     take(array, flat_idx): how entries of ``index.sorted_ids`` are read; None
     reads them in place. The cache passes a host gather when the id lists live
@@ -577,7 +502,7 @@ def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, t
     """
     cap = index.sorted_ids.shape[1]
     capacity = cfg.sample_capacity(cap)
-    if cfg.uses_native():
+    if cfg.kernels.uses_native():
         if take is not None:
             raise ValueError("MagicPIGConfig(kernels='native') reads the id lists in place: they cannot be "
                              "in host memory (the cache keeps them on the device for it: host_index_fields)")
@@ -600,7 +525,7 @@ def _sample_xla(cfg, index, codes, lo, sizes, running, tables_used, read, capaci
     """:func:`select_with_stats`'s sample by XLA or the Pallas collide kernel: (selection,
     n_sampled [G], size of the union before the capacity)."""
     cap = index.sorted_ids.shape[1]
-    if cfg.uses_kernels() and take is None:
+    if cfg.kernels.uses_pallas() and take is None:
         hits, n_sampled = jax.vmap(
             lambda c, t: _head_hits_kernel(cfg, index, c, t, capacity))(codes, tables_used)
     else:
@@ -631,17 +556,16 @@ def _cosine(q: jax.Array, x: jax.Array) -> jax.Array:
 @_jit_with_static_cfg
 def correction(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, k_rows: jax.Array,
                selection: common.Selection) -> jax.Array:
-    """Importance correction −log u [G, C] for the gathered rows k_rows[C, d] (0 where unsampled)."""
+    """Importance correction −log u [G, C] for the gathered rows k_rows[C, d] (0 where unsampled).
+
+    Where the official code is weak: the cosine is clamped to [−1, 1] and is 0 for a
+    zero query or centred key (p = 1/2 keeps the weight finite), and log u is computed
+    without cancellation (:func:`collision_log_prob`), not as log(u + 1e-4).
+    """
     _, _, _, tables_used = _query_buckets(cfg, index, q)
     cos = _cosine(q, k_rows.astype(jnp.float32) - index.mu)
     log_u = collision_log_prob(cos, cfg.K, tables_used[:, None], cfg.min_hits)
     return jnp.where(selection.mask, -jnp.maximum(log_u, LOG_U_FLOOR), 0.0)
-
-
-def reads_rows_in_place(cfg: MagicPIGConfig, keys: jax.Array) -> bool:
-    """Whether :func:`attend_in_place` serves this config and region: the CPU kernels, rows in
-    float32, bfloat16 or bfloat16 bits (``jaxkv.native.ROW_DTYPES``)."""
-    return cfg.uses_native() and keys.dtype in native.ROW_DTYPES
 
 
 @_jit_with_static_cfg
@@ -658,10 +582,55 @@ def attend_in_place(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, key
     return common.Partial(o=o, l=l, m=m)
 
 
+class MagicPIG(SparseMethod):
+    """MagicPIG through the cache's interface: LSH sampling, the −log u correction slot by slot."""
+
+    config_class = MagicPIGConfig
+    slot_wise_correction = True
+
+    def build(self, cfg, keys, values, n, key):
+        return build(cfg, keys, n, key)
+
+    def insert(self, cfg, index, keys_new, values_new, count):
+        return insert(cfg, index, keys_new, count)
+
+    def select(self, cfg, index, q, take=None):
+        return select(cfg, index, q, take)
+
+    def correction(self, cfg, index, q, k_rows, selection):
+        return correction(cfg, index, q, k_rows, selection)
+
+    def regions(self, cfg):
+        return Regions(cfg.sink, cfg.local, None)
+
+    def kernels(self, cfg):
+        return cfg.kernels
+
+    def host_index_fields(self, cfg):
+        """The id lists (:data:`HOST_INDEX_FIELDS`), but for the CPU kernels: on the CPU the
+        device's memory is host memory, and the lists stay where the merge rewrites them in
+        place (host-resident lists would visit the device and come back on every flush)."""
+        return () if cfg.kernels.uses_native() else HOST_INDEX_FIELDS
+
+    def inserts_in_place(self, cfg):
+        """The CPU kernels' merge rewrites the id lists in place."""
+        return cfg.kernels.uses_native()
+
+    def reads_rows_in_place(self, cfg, keys):
+        """The CPU kernels, rows in float32, bfloat16 or bfloat16 bits (``jaxkv.native.ROW_DTYPES``)."""
+        return cfg.kernels.uses_native() and keys.dtype in native.ROW_DTYPES
+
+    def attend_in_place(self, cfg, index, q, keys, values, selection):
+        return attend_in_place(cfg, index, q, keys, values, selection)
+
+
+METHOD = MagicPIG()
+
+
 @_jit_with_static_cfg
 def attend(cfg: MagicPIGConfig, q, keys, values, key=None):
     """MagicPIG's estimate for q[G, d] over a whole context keys, values [N, d].
 
     Sink and local keys exact, the rest sampled; returns (out [G, d], n_read).
     """
-    return common.attend_with_method(sys.modules[__name__], cfg, q, keys, values, key)
+    return METHOD.attend(cfg, q, keys, values, key)

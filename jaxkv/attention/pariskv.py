@@ -1,34 +1,15 @@
-"""ParisKV retrieval: data-independent sign-pattern buckets, six-tier voting, RSQ-IP rerank.
+"""ParisKV retrieval for one KV head: sign-pattern buckets, six-tier voting, RSQ-IP rerank.
 
-One KV head (query group q[G, d], keys [N, d]); batch and heads come from vmap.
-
-Pipeline (DESIGN.md, "ParisKV"):
-1. ``rotate``: k̂ = k/‖k‖, zero-pad to P = the next power of two ≥ d, y = H·D·k̂/√P
-   (D a ±1 diagonal regenerated from ``cfg.seed``, H the Sylvester–Hadamard matrix).
-2. ``bucket_ids``: y splits into B = P/m subspaces; each key's bucket in subspace b
-   is its sign pattern (bit j set iff coordinate j of the subspace is ≥ 0). The
-   2^m centroids ±1/√m are fixed, so inserting keys never retrains anything.
-3. ``vote_table`` / ``coarse_votes``: per subspace the query ranks the 2^m patterns;
-   walking them in order, a pattern lands in the first tier t whose cap
-   ``n·collision_ratio·TIER_FRACTIONS[t]`` still covers the keys counted so far
-   (cumulative, including this pattern); a key gets 6 − t votes there (0 past
-   the last tier). Ties in the ranking go to the lower pattern id.
-4. the top ``n_candidates`` keys by votes are reranked by RSQ-IP (``rsq``), and
-   the best ``top_k`` by estimated ⟨k, q̄⟩ are attended exactly.
-
-Static sizes: the candidate count and the length-adaptive ratios are resolved
-from the index *capacity* (a static shape), never from the valid count n; the
-tier caps use n (data). The index keeps per-(subspace, bucket) key counts,
-updated at insertion, so the tiers need no pass over the keys at query time.
-Code layout (shared with ``pallas_kernels``): see ``rsq`` — nibble
-``(sign_bit << 3) | magnitude_index``, sign bit set for NEGATIVE coordinates,
-low nibble = even coordinate.
+Keys are normalised and rotated (``rotate``); each subspace of m coordinates buckets a key
+by its sign pattern (``bucket_ids``: fixed centroids, so inserting never retrains); the
+query's vote table ranks the patterns into tiers (``vote_table``), the most-voted keys are
+reranked from their 4-bit RSQ-IP codes (``rsq``), and the best ``top_k`` are attended
+exactly. Formulas and parameters: docs/methods/pariskv.md.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +17,9 @@ import numpy as np
 
 from jaxkv import native
 from jaxkv.attention import common, rsq
+from jaxkv.attention.method import IndexFunctions, KeyRetriever
 from pallas_kernels import dispatch
+from pallas_kernels.dispatch import Kernels
 
 TIER_FRACTIONS = (0.05, 0.15, 0.30, 0.50, 0.75, 1.0)
 N_TIERS = len(TIER_FRACTIONS)
@@ -48,10 +31,6 @@ LENGTH_ADAPTIVE_RATIOS = (
     (math.inf, 0.1, 0.2),
 )
 MAX_M = 8  # bucket ids are uint8 and the vote table has 2^m columns
-# cfg.kernels → pallas_kernels.dispatch's use_kernel: None = the kernel iff the
-# backend is a GPU; "interpret" runs the kernel in Pallas interpret mode (CPU tests);
-# "native" runs the selection in jaxkv.native's CPU kernels (XLA for the rest).
-KERNEL_MODES = {"auto": None, "xla": False, "pallas": True, "interpret": True, "native": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +55,7 @@ class ParisKVConfig:
     official_levels: bool = False  # True: the official m=8 Lloyd–Max table
     seed: int = 0
     dense_layers: tuple = ()
-    kernels: str = "auto"
+    kernels: Kernels = Kernels.AUTO
 
     def __post_init__(self):
         if not 2 <= self.m <= MAX_M:
@@ -92,28 +71,19 @@ class ParisKVConfig:
             raise ValueError(f"ParisKVConfig.official_levels needs m=8, got m={self.m}")
         if not isinstance(self.dense_layers, tuple):
             raise ValueError(f"ParisKVConfig.dense_layers must be a tuple, got {self.dense_layers!r}")
-        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_MODES:
-            raise ValueError(f"ParisKVConfig.kernels must be one of {tuple(KERNEL_MODES)}, got {self.kernels!r}")
-        if self.kernels == "native" and self.m != 8:
+        object.__setattr__(self, "kernels", Kernels.of(self.kernels, "ParisKVConfig.kernels"))
+        if self.kernels.uses_native() and self.m != 8:
             raise ValueError(f"ParisKVConfig.kernels='native' needs m=8, got m={self.m}")
-
-    def kernel_options(self) -> dict:
-        """Keyword arguments selecting the path of a ``pallas_kernels.dispatch`` call."""
-        return dict(use_kernel=KERNEL_MODES[self.kernels], interpret=self.kernels == "interpret")
-
-    def uses_kernels(self) -> bool:
-        """Whether this config runs the Pallas kernels on the current backend."""
-        return dispatch.kernel_path(**self.kernel_options())
-
-    def uses_native(self) -> bool:
-        """Whether the selection runs in ``jaxkv.native``'s CPU kernels."""
-        return self.kernels == "native"
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ParisKVIndex:
-    """Index of one KV head's retrieval region; rows >= n are unused."""
+    """Index of one KV head's retrieval region; rows >= n are unused.
+
+    The per-(subspace, bucket) key counts are updated at insertion, so the vote
+    table's tiers need no pass over the keys at query time.
+    """
 
     codes: rsq.RSQCodes       # leaves [cap, ...]; codes.signs uint8 [cap, B] is the bucket id per subspace
     bucket_counts: jax.Array  # int32 [B, 2^m] valid keys per (subspace, bucket)
@@ -142,7 +112,8 @@ def n_subspaces(cfg: ParisKVConfig, d: int) -> int:
 
 
 def resolve_ratios(cfg: ParisKVConfig, length: int) -> tuple[float, float]:
-    """(candidate_ratio, collision_ratio): explicit config values, else DESIGN.md's rule."""
+    """(candidate_ratio, collision_ratio): explicit config values, else the length-adaptive
+    rule (:data:`LENGTH_ADAPTIVE_RATIOS`) at ``length`` (the static capacity, never the data n)."""
     for limit, candidate, collision in LENGTH_ADAPTIVE_RATIOS:
         if length < limit:
             break
@@ -293,7 +264,7 @@ def vote_table(cfg: ParisKVConfig, q_rot: jax.Array, n, bucket_counts: jax.Array
     pattern_scores, caps = pattern_scores_and_caps(cfg, q_rot, n, capacity)
     # covered[b, p]: keys in the buckets ranked at or before p (score descending, ties
     # to the lower pattern) — a comparison matrix times the counts, not an argsort
-    # (XLA CPU's sort of the 2^m patterns cost ≈ 0.8 ms per step for 3 heads at any N).
+    # (slow on XLA CPU: docs/results/implementation_notes.md, "ParisKV").
     # The product is a dot, so the table stays materialised: a table built by
     # gathers was fused into the per-key lookup and recomputed for every key.
     patterns = jnp.arange(pattern_scores.shape[-1])
@@ -327,15 +298,15 @@ def _query(cfg: ParisKVConfig, q: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _rerank(cfg, index, q_rot, q_norm, candidate_idx):
     _, centres = _levels(cfg)
-    if cfg.uses_native():  # reads the candidates' rows in place: no gathered copy
+    if cfg.kernels.uses_native():  # reads the candidates' rows in place: no gathered copy
         return native.rerank(index.codes, q_rot, q_norm, centres, candidate_idx)
     rows = jax.tree.map(lambda x: x[candidate_idx], index.codes)
-    if cfg.uses_kernels():
+    if cfg.kernels.uses_pallas():
         # The kernel reads 4-bit nibbles and f32 weights: the candidates' rows are
         # converted after the gather (C rows, not the whole index).
         nibbles, weight = rsq.kernel_layout(rows, cfg.m)
         return dispatch.rsq_rerank(q_rot, q_norm, nibbles, weight, jnp.asarray(centres, jnp.float32),
-                                   jnp.arange(candidate_idx.shape[0]), **cfg.kernel_options())
+                                   jnp.arange(candidate_idx.shape[0]), kernels=cfg.kernels)
     return rsq.estimate(rows, q_rot, q_norm, cfg.m, centres)
 
 
@@ -352,8 +323,8 @@ def top_indices(values: jax.Array, k: int) -> jax.Array:
     """Positions [k] of the k largest values[N], ties to the lower position: lax.top_k's answer.
 
     The final top-k's selection (the coarse stage uses :func:`most_voted_rows`).
-    When N ≥ 2·k·SELECTION_BLOCK it runs in two exact stages (DESIGN.md's cost
-    table: ~8× cheaper than lax.top_k on CPU for k = 100 at 1M): the k blocks
+    When N ≥ 2·k·SELECTION_BLOCK it runs in two exact stages, far cheaper than
+    lax.top_k on XLA CPU (docs/results/implementation_notes.md, "ParisKV"): the k blocks
     with the largest maxima hold every top-k element
     (a block left out has k blocks whose maxima precede its best), and taking
     those blocks in ascending order keeps lax.top_k's tie order.
@@ -372,7 +343,7 @@ def top_indices(values: jax.Array, k: int) -> jax.Array:
 
 def final_top_k(cfg: ParisKVConfig, values: jax.Array, k: int) -> jax.Array:
     """:func:`top_indices` of the rerank's estimates, by the CPU kernel when cfg uses it (the same positions)."""
-    return native.top_k(values, k) if cfg.uses_native() else top_indices(values, k)
+    return native.top_k(values, k) if cfg.kernels.uses_native() else top_indices(values, k)
 
 
 def vote_threshold(votes: jax.Array, count: int, most: int) -> tuple[jax.Array, jax.Array]:
@@ -380,7 +351,7 @@ def vote_threshold(votes: jax.Array, count: int, most: int) -> tuple[jax.Array, 
 
     votes[N] are integers in [−1, most], 1 ≤ count ≤ N. A bisection over the
     values, one counting pass over the votes per halving (⌈log2(most + 2)⌉
-    passes): a histogram by scatter-add cost 1.8 ms at 3 × 262,144 keys.
+    passes), instead of a histogram by scatter-add (slower on XLA CPU).
     """
     lo, hi, above = jnp.int32(-1), jnp.int32(most + 1), jnp.int32(0)  # #(≥ lo) ≥ count > #(≥ hi) = above
     for _ in range(math.ceil(math.log2(most + 2))):
@@ -414,17 +385,17 @@ def _kernel_candidates(cfg, index, q_rot, count):
     """
     capacity = index.signs.shape[0]
     table = vote_table(cfg, q_rot, index.n, index.bucket_counts, capacity)
-    found = dispatch.vote(index.signs, table, index.n, capacity=count, **cfg.kernel_options())
+    found = dispatch.vote(index.signs, table, index.n, capacity=count, kernels=cfg.kernels)
     return jnp.where(found.mask, found.idx, jnp.arange(count))
 
 
 def _coarse_candidates(cfg, index, q_rot):
     capacity, b = index.signs.shape
     count = n_candidates(cfg, capacity)
-    if cfg.uses_native():  # the vote table is ranked in the kernel too
+    if cfg.kernels.uses_native():  # the vote table is ranked in the kernel too
         scores, caps = pattern_scores_and_caps(cfg, q_rot, index.n, capacity)
         return native.coarse_rows(index.signs, scores, index.bucket_counts, caps, index.n, count)
-    if cfg.uses_kernels():
+    if cfg.kernels.uses_pallas():
         return _kernel_candidates(cfg, index, q_rot, count)
     return most_voted_rows(coarse_votes(cfg, index, q_rot), count, N_TIERS * b)
 
@@ -460,30 +431,40 @@ def select(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array) -> common.Sele
     return common.Selection(idx=idx, mask=valid)
 
 
-def correction(cfg, index, q, k_rows, selection):
-    """Top-k retrieval attends the selected keys as they are: no score correction."""
-    return None
-
-
-def reads_rows_in_place(cfg: ParisKVConfig, keys: jax.Array) -> bool:
-    """Whether :func:`attend_in_place` serves this config and region: the CPU kernels, their
-    attention kernel built (not on an AVX2 CPU, where the rows are gathered and attended in
-    XLA), rows in float32, bfloat16 or bfloat16 bits (``jaxkv.native.ROW_DTYPES``)."""
-    return cfg.uses_native() and keys.dtype in native.ROW_DTYPES and native.available("jaxkv_attend_rows")
-
-
 def attend_in_place(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, keys: jax.Array, values: jax.Array,
                     selection: common.Selection) -> common.Partial:
     """The partial of q[G, d] over the selection's rows of keys, values [cap, d] in one
     ``jaxkv.native`` call that reads the rows where they lie (host memory included):
     ``common.partial_attention`` over gathered copies gives the same, up to float32 rounding.
-    The top-k's rows lie scattered over the region: XLA's gather copied them one at a time,
-    waiting on each (1.3 ms of a 3.2 ms top-2048 step at 256k keys, SmolLM2 shape)."""
+    The top-k's rows lie scattered over the region, and XLA's gather copies them one at a
+    time (docs/results/implementation_notes.md, "ParisKV")."""
     mask = jnp.broadcast_to(selection.mask, (q.shape[0], selection.idx.shape[-1]))
     o, l, m = native.attend_rows(q, keys, values, selection.idx, mask, masked_score=common.MASKED_SCORE)
     return common.Partial(o=o, l=l, m=m)
 
 
+class ParisKV(KeyRetriever):
+    """ParisKV through the cache's interface; its CPU kernels attend the top-k where the rows lie."""
+
+    config_class = ParisKVConfig
+    functions = IndexFunctions(build, insert, select)
+
+    def kernels(self, cfg):
+        return cfg.kernels
+
+    def reads_rows_in_place(self, cfg, keys):
+        """The CPU kernels, their attention kernel built (not on an AVX2 CPU, where the rows are
+        gathered and attended in XLA), rows in float32, bfloat16 or bfloat16 bits
+        (``jaxkv.native.ROW_DTYPES``)."""
+        return cfg.kernels.uses_native() and keys.dtype in native.ROW_DTYPES and native.available("jaxkv_attend_rows")
+
+    def attend_in_place(self, cfg, index, q, keys, values, selection):
+        return attend_in_place(cfg, index, q, keys, values, selection)
+
+
+METHOD = ParisKV()
+
+
 def attend(cfg: ParisKVConfig, q, keys, values, key=None):
     """(output [G, d], keys read) over sink + local exactly and retrieved top-k of the rest."""
-    return common.attend_with_method(sys.modules[__name__], cfg, q, keys, values, key)
+    return METHOD.attend(cfg, q, keys, values, key)

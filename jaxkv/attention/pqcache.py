@@ -11,12 +11,12 @@ as summing the G heads' scores).
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.attention import common, pariskv  # pariskv: shared top-k and row appends
+from jaxkv.attention.method import IndexFunctions, KeyRetriever, Regions
 
 MAX_CENTROIDS = 256  # codes are uint8
 
@@ -146,11 +146,22 @@ def select(cfg: PQCacheConfig, index: PQCacheIndex, q: jax.Array) -> common.Sele
     return common.Selection(idx=idx, mask=idx < index.n)
 
 
-def correction(cfg, index, q, k_rows, selection):
-    """Top-k retrieval attends the selected keys as they are: no score correction."""
-    return None
+class PQCache(KeyRetriever):
+    """PQCache through the cache's interface (its config has no buffer and no dense layers)."""
+
+    config_class = PQCacheConfig
+    functions = IndexFunctions(build, insert, select)
+
+    def regions(self, cfg):
+        return Regions(cfg.sink, cfg.local, None)
+
+    def dense_layers(self, cfg):
+        return ()
+
+
+METHOD = PQCache()
 
 
 def attend(cfg: PQCacheConfig, q, keys, values, key=None):
     """(output [G, d], keys read) over sink + local exactly and the PQ top-k of the rest."""
-    return common.attend_with_method(sys.modules[__name__], cfg, q, keys, values, key)
+    return METHOD.attend(cfg, q, keys, values, key)

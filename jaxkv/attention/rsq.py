@@ -14,14 +14,10 @@ Calibration: with ``v_b`` the dequantised direction (sign × level centre,
 the same estimate as with unit ``v_b``; leaving ``v_b`` unnormalised saves a
 normalisation per subspace on the query path (kernels rely on it).
 
-Storage (:class:`RSQCodes`, 38 B per key at d = 64, 74 B at d = 128: under 15 %
-of the bf16 K+V). The sign bits are stored once, one byte per subspace — the
-very byte that is ParisKV's bucket id, so the coarse stage reads it directly;
-the 3-bit magnitudes as three bit planes; the B weights as one bfloat16 scale
-(‖k‖·max_b(r_b/α_b)/15) times a 4-bit multiple per subspace; these three in one
-record per key, all the rerank reads of a candidate beside its signs. Quantising the
-weights moved ParisKV's Recall@100 on SmolLM2 from 60.3 to 60.1 % (output error
-0.0504 → 0.0505; docs/results/recall.md).
+Storage (:class:`RSQCodes`, 38 B per key at d = 64, 74 B at d = 128): the sign
+bits once, one byte per subspace (ParisKV's bucket id); the 3-bit magnitudes as
+three bit planes; the B weights as one bfloat16 scale (‖k‖·max_b(r_b/α_b)/15) times
+a 4-bit multiple per subspace (docs/results/implementation_notes.md, "RSQ-IP codes").
 """
 from __future__ import annotations
 
@@ -94,9 +90,8 @@ class RSQCodes:
 
     Two arrays: the sign bytes, which the coarse stage scans for every key, and one
     record per key of everything the rerank reads for a candidate (its magnitude planes,
-    weight codes and scale). Kept apart, those were three rows in three arrays, each
-    candidate touching a cache line in each: at 1M keys a record per key takes a third
-    fewer lines (docs/results/performance.md, eleventh session).
+    weight codes and scale), so a candidate touches few cache lines
+    (docs/results/implementation_notes.md, "RSQ-IP codes").
     """
 
     signs: jax.Array   # uint8 [..., B]: bit j ⇔ coordinate b·m + j ≥ 0 (ParisKV's bucket id)
@@ -251,11 +246,10 @@ def estimate(codes: RSQCodes, q_rot, q_norm, m: int, centres) -> jax.Array:
 
     q_rot [P] the rotated unit query, q_norm its raw norm. Returns float32 [C].
     Each ⟨v_b, q̃_b⟩ is summed coordinate by coordinate over [C] columns, which
-    XLA CPU fuses into one vectorised loop (dequantising [C, P] for a dot, as
-    :func:`reconstruct` does, is 2–5× slower). The weighted sum over b is a
-    reduction on purpose: a purely elementwise estimate gets fused into its
-    consumers (the top-k's block maxima and gathers) and recomputed there, 4×
-    slower at 1M keys.
+    XLA CPU fuses into one vectorised loop (faster than dequantising [C, P] for a dot,
+    as :func:`reconstruct` does). The weighted sum over b is a reduction on purpose: a
+    purely elementwise estimate gets fused into its consumers (the top-k's block maxima
+    and gathers) and recomputed there (docs/results/implementation_notes.md, "RSQ-IP codes").
     """
     centres = jnp.asarray(centres, jnp.float32)
     q = q_rot.astype(jnp.float32)

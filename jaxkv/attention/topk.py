@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxkv.attention import common
 from jaxkv.attention.common import Selection
+from jaxkv.attention.method import IndexFunctions, KeyRetriever
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,5 +57,11 @@ def select(cfg: TopKConfig, index: TopKIndex, q) -> Selection:
     return Selection(idx=idx.astype(jnp.int32), mask=top_s > -jnp.inf)
 
 
-def correction(cfg, index, q, k_rows, selection):
-    return None
+class TopK(KeyRetriever):
+    """The TopK oracle through the cache's interface: the exact top-k of the group-mean scores."""
+
+    config_class = TopKConfig
+    functions = IndexFunctions(build, insert, select)
+
+
+METHOD = TopK()

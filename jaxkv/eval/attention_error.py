@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import plots
 from jaxkv.attention import magicpig, oracles
 from jaxkv.eval import decode_view
 
@@ -130,7 +131,7 @@ def study(captured, *, budgets=BUDGETS, magicpig_settings=MAGICPIG_SETTINGS, see
                                           candidate_capacity=2.0)
             errs, reads, retrieved = [], [], []
             for l, (k, v, q) in zip(layers, tensors):
-                e, r, got = _method_layer(magicpig, cfg, k, v, q, positions,
+                e, r, got = _method_layer(magicpig.METHOD, cfg, k, v, q, positions,
                                           jax.random.fold_in(jax.random.key(seed), l))
                 errs.append(np.asarray(e))
                 reads.append(np.asarray(r))
@@ -158,10 +159,7 @@ def markdown(rows) -> str:
 
 
 def plot(rows, path: Path, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in ORACLES:
@@ -210,6 +208,7 @@ def _magicpig_settings(text: str | None) -> tuple[tuple[int, int], ...]:
 
 
 def main(args) -> int:
+    plots.require()  # before the work: the figure is its last output
     from jaxkv.eval import capture as capture_mod
     from jaxkv.eval import recall
 

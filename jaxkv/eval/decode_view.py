@@ -29,7 +29,8 @@ def dense_truth(keys, values, queries, positions):
 
 
 def method_outputs(method, cfg, keys, values, queries, positions, key):
-    """One KV head: (outputs [G, Q, d], keys read [Q], retrieval rows read [Q]).
+    """One KV head: (outputs [G, Q, d], keys read [Q], retrieval rows read [Q]) of ``method``
+    (a ``jaxkv.attention.method.SparseMethod``) with config ``cfg``.
 
     keys, values [N, d]; queries [G, Q, d] at positions [Q] = the last Q positions.
     """
@@ -40,7 +41,7 @@ def method_outputs(method, cfg, keys, values, queries, positions, key):
     if end <= start:
         raise ValueError(f"a context of {n} tokens is too short for sink {s} + local {w} + {q_len} queries")
     retr_k, retr_v = keys[start:end], values[start:end]
-    index = common.build_index(method, cfg, retr_k, retr_v, jnp.int32(end - start), key)
+    index = method.build(cfg, retr_k, retr_v, jnp.int32(end - start), key)
     exact_k = jnp.concatenate([keys[:s], keys[end:]])
     exact_v = jnp.concatenate([values[:s], values[end:]])
     exact_pos = jnp.concatenate([jnp.arange(s), jnp.arange(end, n)])

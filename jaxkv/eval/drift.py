@@ -30,6 +30,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxkv import plots
 from jaxkv.eval import recall
 
 def at_capacity(indexes: recall.Indexes, n: int) -> recall.Indexes:
@@ -145,10 +146,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     steps = [c["decode_step"] for c in result["checkpoints"]]
@@ -169,6 +167,7 @@ def plot(result: dict, path: Path, title: str):
 
 
 def main(args) -> int:
+    plots.require()  # before the work: the figure is its last output
     t0 = time.time()
     captured, layers = recall.select_layers(recall.load_capture(args, args.tokens, args.tokens - args.prefill),
                                             args.layers)

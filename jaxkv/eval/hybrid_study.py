@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import plots
 from jaxkv.attention import hybrid, magicpig, oracles, pariskv
 from jaxkv.eval import attention_error, decode_view
 from jaxkv.eval import capture as capture_mod
@@ -72,8 +73,17 @@ def _magicpig_config(k_bits, tables):
 
 
 def _hybrid_lsh_config(top_k, k_bits, tables):
-    return hybrid.HybridConfig(top_k=top_k, tail="lsh", K=k_bits, L=tables, sink=SINK, local=LOCAL,
-                               capacity=0.25, candidate_capacity=2.0)
+    return hybrid.HybridConfig(pariskv=pariskv.ParisKVConfig(top_k=top_k), tail="lsh",
+                               magicpig=magicpig.MagicPIGConfig(K=k_bits, L=tables, capacity=0.25,
+                                                                candidate_capacity=2.0),
+                               sink=SINK, local=LOCAL)
+
+
+def _head_settings(cfg) -> pariskv.ParisKVConfig | None:
+    """The ParisKV settings of a swept config: ParisKV's own, a hybrid's head; None for MagicPIG."""
+    if isinstance(cfg, hybrid.HybridConfig):
+        return cfg.pariskv
+    return cfg if isinstance(cfg, pariskv.ParisKVConfig) else None
 
 
 def retrieval_keys(fraction: float, n: int, n_queries: int) -> int:
@@ -159,14 +169,16 @@ def _setting(method, cfg) -> str:
     if method == "magicpig":
         return f"K{cfg.K}L{cfg.L}"
     if method == "hybrid_lsh":
-        return f"top_k={cfg.top_k} K{cfg.K}L{cfg.L}"
+        return f"top_k={cfg.pariskv.top_k} K{cfg.magicpig.K}L{cfg.magicpig.L}"
     # pariskv, and hybrid (the regression tail has no setting of its own)
-    ratio = "adaptive" if cfg.candidate_ratio is None else f"{cfg.candidate_ratio:.0%}"
-    return f"top_k={cfg.top_k} candidates {ratio}"
+    head = _head_settings(cfg)
+    ratio = "adaptive" if head.candidate_ratio is None else f"{head.candidate_ratio:.0%}"
+    return f"top_k={head.top_k} candidates {ratio}"
 
 
 # "hybrid" is the regression tail (the default), "hybrid_lsh" the MagicPIG-sampled one.
-MODULES = {"pariskv": pariskv, "magicpig": magicpig, "hybrid_lsh": hybrid, "hybrid": hybrid}
+MODULES = {"pariskv": pariskv.METHOD, "magicpig": magicpig.METHOD, "hybrid_lsh": hybrid.METHOD,
+           "hybrid": hybrid.METHOD}
 HYBRIDS = ("hybrid", "hybrid_lsh")
 
 
@@ -193,7 +205,8 @@ def sweep(captured, layers, *, seed=0, log=print):
         room = retrieval_keys(fraction, n, n_queries)
         for ratio in CANDIDATE_RATIOS:
             run("pariskv", pariskv.ParisKVConfig(top_k=room, sink=SINK, local=LOCAL, candidate_ratio=ratio))
-            run("hybrid", hybrid.HybridConfig(top_k=room, sink=SINK, local=LOCAL, candidate_ratio=ratio))
+            run("hybrid", hybrid.HybridConfig(pariskv=pariskv.ParisKVConfig(top_k=room, candidate_ratio=ratio),
+                                              sink=SINK, local=LOCAL))
         for share in HEAD_SHARES:
             # The tail setting whose MagicPIG sample best fills the rest of the room.
             tail_room = room * (1 - share)
@@ -219,7 +232,7 @@ def best_per_budget(runs, n, n_queries):
     for fraction in BUDGETS:
         room = retrieval_keys(fraction, n, n_queries)
         for method in ("pariskv", "hybrid"):
-            fits = [r for r in runs if r[0] == method and r[1].top_k == room]
+            fits = [r for r in runs if r[0] == method and _head_settings(r[1]).top_k == room]
             if fits:
                 best[(method, fraction)] = min(fits, key=lambda r: r[3])[1]
         for method in ("magicpig", "hybrid_lsh"):
@@ -263,9 +276,11 @@ def final(captured, best, layers, *, seed=0, log=print):
 def _with_default_candidates(cfg) -> list:
     """[cfg], and before it the same setting with ParisKV's default candidate ratio when cfg
     chose another: the cheaper index read is reported beside the best one."""
-    if getattr(cfg, "candidate_ratio", None) is None:  # MagicPIG, the LSH hybrid, or already the default
+    head = _head_settings(cfg)
+    if head is None or head.candidate_ratio is None:  # MagicPIG, the LSH hybrid, or already the default
         return [cfg]
-    return [dataclasses.replace(cfg, candidate_ratio=None), cfg]
+    default = dataclasses.replace(head, candidate_ratio=None)
+    return [default if cfg is head else dataclasses.replace(cfg, pariskv=default), cfg]
 
 
 def hybrid_reads(captured, best, layers, seed=0):
@@ -280,8 +295,7 @@ def hybrid_reads(captured, best, layers, seed=0):
         if cfg is None:
             continue
         if label == "pariskv":
-            cfg = hybrid.HybridConfig(top_k=cfg.top_k, tail="none", sink=SINK, local=LOCAL,
-                                      candidate_ratio=cfg.candidate_ratio)
+            cfg = hybrid.HybridConfig(pariskv=cfg, tail="none", sink=SINK, local=LOCAL)
         per_layer = [_hybrid_reads_layer(cfg, jnp.asarray(captured.keys[l]), jnp.asarray(captured.values[l]),
                                          jnp.asarray(captured.queries[l]),
                                          n_queries, jax.random.fold_in(jax.random.key(seed), l))
@@ -307,10 +321,7 @@ def markdown(results, reads) -> str:
 
 
 def plot(results, runs, path: Path, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     markers = {"hybrid oracle": "o", "pariskv": "s", "magicpig": "^", "hybrid_lsh": "v", "hybrid": "D"}
@@ -349,6 +360,7 @@ def _layer_list(text: str, num_layers: int, flag: str) -> list[int]:
 
 
 def main(args) -> int:
+    plots.require()  # before the work: the figure is its last output
     t0 = time.time()
     captured = capture_mod.load_or_capture(args)
     n = captured.keys.shape[2]

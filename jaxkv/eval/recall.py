@@ -45,7 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import plots
 from jaxkv.attention import common, magicpig, pariskv, pqcache
+from jaxkv.attention.method import SparseMethod
 from jaxkv.eval import capture as capture_mod
 from jaxkv.eval import decode_view
 
@@ -207,16 +209,19 @@ class OracleRetrieverConfig:
     local: int
 
 
-class oracle_retriever:  # noqa: N801 — stands where a method module does (build / select / correction)
-    """The exact top-k of the pool, in the method interface :mod:`jaxkv.eval.decode_view` drives."""
+class OracleRetriever(SparseMethod):
+    """The exact top-k of the pool, as :mod:`jaxkv.eval.decode_view` drives a method."""
 
-    @staticmethod
-    def build(cfg, keys, n, key=None):
-        del n, key  # decode_view passes exactly the pool
+    config_class = OracleRetrieverConfig
+
+    def build(self, cfg, keys, values, n, key):
+        del values, n, key  # decode_view passes exactly the pool
         return keys
 
-    @staticmethod
-    def select(cfg, keys, q):
+    def insert(self, cfg, index, keys_new, values_new, count):
+        raise NotImplementedError("the oracle retriever scores a fixed pool: nothing is inserted")
+
+    def select(self, cfg, keys, q, take=None):
         s = common.scores(q, keys)  # [G, cap]
         if not cfg.per_head:
             s = jnp.mean(s, axis=0, keepdims=True)  # the mean of the scores is the score of q̄
@@ -225,9 +230,8 @@ class oracle_retriever:  # noqa: N801 — stands where a method module does (bui
         return common.Selection(idx=jnp.arange(keys.shape[0]),
                                 mask=jnp.broadcast_to(mask, (q.shape[0], keys.shape[0])))
 
-    @staticmethod
-    def correction(cfg, index, q, k_rows, selection):
-        return None
+
+ORACLE_RETRIEVER = OracleRetriever()
 
 
 @functools.partial(jax.jit, static_argnames=("method", "cfg"))
@@ -240,14 +244,14 @@ def layer_errors(method, cfg, keys, values, queries, positions, key):
 
 
 def error_methods(methods: Methods) -> dict:
-    """label → (method module, config) of the output-error comparison."""
+    """label → (method, config) of the output-error comparison."""
     return {
-        "pariskv": (pariskv, methods.pariskv),
-        "pqcache": (pqcache, methods.pqcache),
-        "magicpig": (magicpig, methods.magicpig),
-        "oracle top-k (group mean)": (oracle_retriever, OracleRetrieverConfig(
+        "pariskv": (pariskv.METHOD, methods.pariskv),
+        "pqcache": (pqcache.METHOD, methods.pqcache),
+        "magicpig": (magicpig.METHOD, methods.magicpig),
+        "oracle top-k (group mean)": (ORACLE_RETRIEVER, OracleRetrieverConfig(
             methods.k, per_head=False, sink=methods.sink, local=methods.local)),
-        "oracle top-k (per head)": (oracle_retriever, OracleRetrieverConfig(
+        "oracle top-k (per head)": (ORACLE_RETRIEVER, OracleRetrieverConfig(
             methods.k, per_head=True, sink=methods.sink, local=methods.local)),
     }
 
@@ -386,10 +390,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name in FOUND_SETS:
@@ -417,6 +418,7 @@ def write_outputs(out: Path, result: dict, table: str, plot_fn) -> None:
 
 
 def main(args) -> int:
+    plots.require()  # before the work: the figure is its last output
     t0 = time.time()
     captured, layers = select_layers(load_capture(args, args.tokens, args.queries), args.layers)
     print(f"{captured.num_layers} layers, {captured.keys.shape[2]} tokens, {args.queries} queries "

@@ -73,7 +73,8 @@ def default_methods(top_k: int = 512, sink: int = 4, local: int = 64, buffer: in
                    regions),
         MethodSpec("pariskv", "pariskv", pariskv.ParisKVConfig(top_k=top_k, sink=sink, local=local, buffer=buffer),
                    regions),
-        MethodSpec("hybrid", "hybrid", hybrid.HybridConfig(top_k=top_k, sink=sink, local=local, buffer=buffer),
+        MethodSpec("hybrid", "hybrid", hybrid.HybridConfig(pariskv=pariskv.ParisKVConfig(top_k=top_k), sink=sink,
+                                                           local=local, buffer=buffer),
                    regions),
         MethodSpec("topk", "topk", topk.TopKConfig(top_k=top_k, sink=sink, local=local, buffer=buffer), regions),
     )

@@ -1,46 +1,29 @@
 """CPU kernels for ParisKV's selection (``pariskv_cpu.cc``), MagicPIG's sampling
 (``magicpig_cpu.cc``) and a dense decode step (``dense_cpu.cc``), as XLA FFI custom calls.
 
-The library is compiled on first use with the system C++ compiler against the XLA
-FFI headers that ship with jaxlib (``-march=native``: the kernels need AVX-512 with VBMI and VBMI2,
-BMI2 and GFNI) and linked with glibc's vector math (libmvec, glibc 2.35 or later), cached
-under ``$JAXKV_NATIVE_CACHE`` (default ``~/.cache/jaxkv/native``) by a digest of the
-sources, the compiler command and this CPU, and registered with ``jax.ffi`` for the CPU
-platform. On a CPU with AVX2, FMA and BMI2 but not those, only ParisKV's selection
-(``AVX2_TARGETS``: coarse stage, rerank, final top-k) is built, in its AVX2 form.
-:func:`available` says whether kernels are registered, :func:`unavailable_reason` why not;
-``ParisKVConfig(kernels="native")`` runs ParisKV's coarse stage, rerank, final top-k and
-(where the attention kernel is built) the attention over its rows in them; ``MagicPIGConfig(kernels="native")`` MagicPIG's
-query hash and bucket lookups, its sampling (which keys collide), the attention over the
-sample with its correction, and the insertion's merge; ``DenseConfig(kernels="native")``
-the attention of a dense layer's decode step; ``weights_cpu.cc`` the products
-with weight matrices kept in their GGUF blocks (``models.quantized``).
+Built on first use by ``models.native.build.KernelLibrary`` (a C++ compiler and a CPU
+with AVX-512 VBMI, VBMI2, GFNI and BMI2; on a CPU with AVX2 only ParisKV's selection,
+``AVX2_TARGETS``, in its AVX2 form). :func:`available` says whether kernels are
+registered, :func:`unavailable_reason` why not. A config's ``kernels="native"`` runs them:
+docs/architecture.md says which steps each method's config moves here.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
 import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCES = tuple(sorted(pathlib.Path(__file__).parent.glob("*.cc")))
-HEADERS = tuple(sorted(pathlib.Path(__file__).parent.glob("*.h")))
+from models.native.build import AVX512_FLAGS, KernelLibrary
+from models.native.build import NativeUnavailable, cxx_compiler  # noqa: F401 (this package's public names too)
+
 TARGETS = {"jaxkv_pariskv_coarse": "PariskvCoarse", "jaxkv_pariskv_rerank": "PariskvRerank",
            "jaxkv_top_k": "TopK", "jaxkv_magicpig_query_buckets": "MagicpigQueryBuckets",
            "jaxkv_magicpig_collide": "MagicpigCollide",
            "jaxkv_magicpig_merge": "MagicpigMerge", "jaxkv_magicpig_attend": "MagicpigAttend",
-           "jaxkv_attend_rows": "AttendRows", "jaxkv_quantized_matmul": "QuantizedMatmul",
-           "jaxkv_dense_decode": "DenseDecode"}
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vbmi", "avx512_vbmi2", "bmi2", "gfni")  # byte permutes and compresses, bit deposits, bit transposes
+           "jaxkv_attend_rows": "AttendRows", "jaxkv_dense_decode": "DenseDecode"}
+REQUIRED_CPU_FLAGS = AVX512_FLAGS
 # Without REQUIRED_CPU_FLAGS, ParisKV's selection alone, in its AVX2 form (pariskv_cpu.cc).
 AVX2_CPU_FLAGS = ("avx2", "fma", "bmi2", "popcnt")
 AVX2_TARGETS = ("jaxkv_pariskv_coarse", "jaxkv_pariskv_rerank", "jaxkv_top_k")
@@ -48,116 +31,25 @@ AVX2_TARGETS = ("jaxkv_pariskv_coarse", "jaxkv_pariskv_rerank", "jaxkv_top_k")
 # or uint16 holding bfloat16 bits (how jaxkv.cache stores a bfloat16 retrieval region).
 ROW_DTYPES = (jnp.float32, jnp.bfloat16, jnp.uint16)
 
-
-class NativeUnavailable(RuntimeError):
-    """The CPU kernels could not be built or loaded here (the message says why)."""
-
-
-def cxx_compiler() -> str:
-    """The C++ compiler the kernels are built with: ``$CXX``, else g++, else c++."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise NativeUnavailable("no C++ compiler found (set CXX)")
-    return compiler
-
-
-def _compile_command(output: pathlib.Path) -> list[str]:
-    return [cxx_compiler(), "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-            f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-lmvec", "-o", str(output)]
-
-
-def _cpu_flags() -> str:
-    try:
-        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return next((line for line in lines if line.startswith("flags")), platform.processor())
-
-
-def _library_path() -> pathlib.Path:
-    cache = pathlib.Path(os.environ.get("JAXKV_NATIVE_CACHE", pathlib.Path.home() / ".cache" / "jaxkv" / "native"))
-    digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(_compile_command(pathlib.Path("x"))).encode(),
-                 _cpu_flags().encode(), jax.__version__.encode()):
-        digest.update(part)
-    path = cache / f"jaxkv_cpu-{digest.hexdigest()[:16]}.so"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, moved in whole
-            built = pathlib.Path(tmp) / path.name
-            result = subprocess.run(_compile_command(built), capture_output=True, text=True)
-            if result.returncode != 0:
-                raise NativeUnavailable(f"compiling {', '.join(s.name for s in SOURCES)} failed:\n"
-                                        f"{_compiler_errors(result.stderr)}")
-            os.replace(built, path)
-    return path
-
-
-def _compiler_errors(stderr: str, limit: int = 2000) -> str:
-    """The compiler's error lines, at most ``limit`` characters (the last): its warnings about
-    jaxlib's FFI headers run to pages and would push the errors out of a tail. All of its
-    output when no line says error."""
-    errors = [line for line in stderr.splitlines() if "error" in line]
-    return ("\n".join(errors) if errors else stderr)[-limit:]
-
-
-def _missing_flags_reason() -> str | None:
-    """Why some kernels are not built on this CPU (None on one with REQUIRED_CPU_FLAGS)."""
-    flags = _cpu_flags().split()
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
-    if platform.machine() in ("x86_64", "AMD64") and not missing:
-        return None
-    lacks = f"without {', '.join(missing)}" if missing else "not x86-64"
-    return (f"the CPU kernels need an x86-64 CPU with {', '.join(REQUIRED_CPU_FLAGS)}; "
-            f"this one is {platform.machine()}, {lacks}")
-
-
-def _register() -> frozenset[str]:
-    """Builds (or finds) the library for this CPU and registers its kernels: all of them, or
-    AVX2_TARGETS on an AVX2 CPU. Raises NativeUnavailable where none can be had."""
-    reason = _missing_flags_reason()
-    avx2 = platform.machine() in ("x86_64", "AMD64") and all(f in _cpu_flags().split() for f in AVX2_CPU_FLAGS)
-    if reason is not None and not avx2:
-        raise NativeUnavailable(reason)
-    targets = TARGETS if reason is None else {t: TARGETS[t] for t in AVX2_TARGETS}
-    library = ctypes.cdll.LoadLibrary(str(_library_path()))
-    for target, symbol in targets.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
-    return frozenset(targets)
-
-
-@functools.cache
-def _registration() -> tuple[frozenset[str], str | None]:
-    """(the kernels registered, why the others are not): decided once per process, so a failed
-    build is not retried (seconds of compiling) on every call."""
-    try:
-        registered = _register()
-    except NativeUnavailable as error:
-        return frozenset(), str(error)
-    return registered, _missing_flags_reason() if registered != set(TARGETS) else None
+LIBRARY = KernelLibrary("jaxkv.native", "jaxkv_cpu", pathlib.Path(__file__).parent.glob("*.cc"), TARGETS,
+                        REQUIRED_CPU_FLAGS, fallback=(AVX2_CPU_FLAGS, AVX2_TARGETS))
 
 
 def unavailable_reason(*targets: str) -> str | None:
     """None once the kernels ``targets`` (FFI target names; default: every kernel) are
     registered, building them if needed; else why not: the CPU flags missing or the
     compiler's error."""
-    unknown = set(targets) - set(TARGETS)
-    if unknown:
-        raise ValueError(f"unknown jaxkv.native kernels {sorted(unknown)}; they are {sorted(TARGETS)}")
-    registered, reason = _registration()
-    return None if registered.issuperset(targets or TARGETS) else reason
-
-
-def _load(target: str) -> None:
-    reason = unavailable_reason(target)
-    if reason is not None:
-        raise NativeUnavailable(reason)
+    return LIBRARY.unavailable_reason(*targets)
 
 
 def available(*targets: str) -> bool:
     """Whether the kernels ``targets`` (default: every kernel) are built and registered
     (building them if needed)."""
-    return unavailable_reason(*targets) is None
+    return LIBRARY.available(*targets)
+
+
+def _load(target: str) -> None:
+    LIBRARY.load(target)
 
 
 def coarse_rows(signs: jax.Array, scores: jax.Array, bucket_counts: jax.Array, caps: jax.Array, n,
@@ -327,14 +219,3 @@ def dense_decode(q: jax.Array, keys: jax.Array, values: jax.Array, visible) -> j
     call = jax.ffi.ffi_call("jaxkv_dense_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="broadcast_all")
     return call(q.astype(jnp.float32), keys, values, jnp.broadcast_to(jnp.asarray(visible, jnp.int32), lead))
-
-
-def quantized_matmul(x: jax.Array, blocks: jax.Array, *, q4_1: bool) -> jax.Array:
-    """x float32 [..., M, K] times the [N, K] matrix whose GGUF blocks (Q4_1 if ``q4_1``,
-    else Q8_0) are blocks uint8 [..., N, K/32 · block bytes]: float32 [..., M, N], the
-    blocks expanded in registers. The dequantised matrix's sums up to float32 rounding."""
-    _load("jaxkv_quantized_matmul")
-    call = jax.ffi.ffi_call("jaxkv_quantized_matmul",
-                            jax.ShapeDtypeStruct((*x.shape[:-1], blocks.shape[-2]), jnp.float32),
-                            vmap_method="broadcast_all")
-    return call(x.astype(jnp.float32), blocks, q4_1=np.int64(q4_1))

@@ -4,9 +4,8 @@
 // rows [S, d]), float32 or bfloat16. A query at position p reads the keys 0..p only, where XLA
 // reads every slot of the cache and masks the unseen ones.
 //
-// Why: XLA CPU's value contraction (the softmax weights times V) read V at 13 GB/s on a Xeon,
-// half its stream bandwidth, so a dense step at 256k keys took 2x its bandwidth floor there
-// (docs/results/performance.md, "2026-12-05, fifth session"). Here both contractions stream:
+// Why: XLA CPU's value contraction reads V well below the memory's stream rate
+// (docs/results/implementation_notes.md, "CPU kernels"). Here both contractions stream:
 // per block of 512 keys, the scores of up to four query heads are summed eight key columns at
 // a time (block_scores says why), then the block's value rows are summed into each head's
 // output, weighted. A block's scores stay in L1, its rows in L2.
@@ -47,16 +46,15 @@ constexpr int64_t kColumns = 8;  // key columns summed per pass over a block
 // Keys per work item: a few items per KV head at 8k keys (both threads busy), few partials
 // to merge at 1M.
 constexpr int64_t kChunk = 2048;
-// How far ahead of its reads the first pass over a block's value rows fetches them. The
-// hardware prefetcher falls behind a stream read with arithmetic between the loads; a
-// software prefetch 8 KB ahead kept it up (docs/results/performance.md, seventh session).
+// How far ahead of its reads the first pass over a block's value rows fetches them: the
+// hardware prefetcher falls behind a stream read with arithmetic between the loads.
 constexpr int64_t kValuesAheadBytes = 8192;
 
 // A bfloat16 cache's elements are widened 32 at a time as two vectors, the even elements and
 // the odd ones: a shift and a mask of one 64-byte load, where widening 16 in order takes a
-// widening move and a shift (Llama's shape at 256k keys with a bfloat16 cache: 50-56 -> 45-48 ms
-// a step, docs/results/performance.md, ninth session). Sums kept in that order are put back in
-// order once per block (scores) or per pass (value sums). float32 rows are read in order.
+// widening move and a shift (docs/results/implementation_notes.md, "CPU kernels"). Sums kept
+// in that order are put back in order once per block (scores) or per pass (value sums).
+// float32 rows are read in order.
 template <typename Row>
 constexpr bool kWidenedInPairs = std::is_same_v<Row, bf16>;
 
@@ -161,13 +159,11 @@ void block_scores(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, flo
 // Query heads [g0, g0 + kN) add their weights [kN, kBlock] times the value rows [t0, t0 + count)
 // to their sums in out.o, 16 * kV coordinates of each row at a time (all of a row for d <= 16 * kV),
 // the kN x kV sums in registers (add_weighted_rows). Whole rows per pass keep the rows a stream
-// of contiguous lines: over Llama's heads (d = 128) two passes over half rows took 1.5x the
-// streamed read of the cache, one pass over whole rows per pair of heads 1.4x
-// (docs/results/performance.md, seventh session). The block's first pass (fetch_ahead) fetches
-// the rows kValuesAheadBytes ahead; the later passes find the block's rows in L2. That fetch is
-// in load_row, a lambda: GCC 12 kept it there (one prefetch loop in each compiled
-// add_value_rows, as before the lambda), though it dropped every prefetch of a lambda in
-// pariskv_cpu.cc's rerank: check the object code when changing it.
+// of contiguous lines (docs/results/implementation_notes.md, "CPU kernels"). The block's first
+// pass (fetch_ahead) fetches the rows kValuesAheadBytes ahead; the later passes find the
+// block's rows in L2. That fetch is in load_row, a lambda: GCC 12 keeps it there, though it
+// dropped every prefetch of a lambda in pariskv_cpu.cc's rerank: check the object code when
+// changing it.
 template <int kN, int kV, typename Row>
 void add_value_rows(const Head<Row>& h, int64_t g0, int64_t t0, int64_t count, const float* weight, Partial& out,
                     bool fetch_ahead) {

@@ -150,8 +150,7 @@ std::pair<int32_t, int32_t> tables_read(const int32_t* starts, int64_t n_buckets
 // entries in the index's bucket_starts [..., L, 2^K + 1]. The projection's and the starts'
 // batch is q's or 1 (one for all: vmap's expand_dims leaves the shared projection whole).
 // XLA takes a YNNPACK product, a bit packing, two gathers of starts and a running sum for
-// this: ≈ 128 us a sparse layer at 8k keys, against 67-99 us here (docs/results/
-// performance.md, section "2026-12-04, evening").
+// this (docs/results/implementation_notes.md, "CPU kernels").
 ffi::Error query_buckets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> projection, ffi::Buffer<ffi::S32> bucket_starts,
                          int64_t k_bits, int64_t limit, ffi::ResultBuffer<ffi::S32> codes,
                          ffi::ResultBuffer<ffi::S32> tables_used, ffi::ResultBuffer<ffi::S32> entries_read) {
@@ -454,9 +453,8 @@ struct CollisionLogProb {
 // Lane j: Σ_i f(q_i, rows[j]_i) over d coordinates for 16 rows, f(q, r, acc) an FMA: 16
 // coordinates of the 16 rows at a time (16 independent sums, one load of q), the last d % 16
 // by masked loads. Not by a scalar loop (a float sum is not vectorised by the compiler: its
-// order would change): built for a Xeon (GCC 12, -march=native), its rounding differed
-// between float and bfloat16 rows, and so did their partials (d = 24 in test_native); built
-// for an EPYC they agreed.
+// order would change), whose rounding differed between float and bfloat16 rows with GCC 12
+// on some CPUs, and so did their partials (d = 24 in test_native).
 template <typename Row, typename Fma>
 __m512 sums16(const float* q, const Row* const (&rows)[16], int64_t d, const Fma& fma) {
   __m512 partial[16];
@@ -508,11 +506,10 @@ struct Partial {
   Partial(int64_t heads, int64_t d, float masked) : o(heads * d, 0.0f), l(heads, 0.0f), m(heads, masked) {}
 };
 
-// The rows are scattered over the region (7 % of them at 256k, a few kB apart): while the
-// keys are worked on, every cache line of the key and the value row kRowsAhead slots on is
-// fetched into L2, so the values' pass finds its rows there. Into L2 (_MM_HINT_T1) rather
-// than L1, more misses are in flight: a probe reading 7 % of 256k rows of 64 floats on two
-// threads took 14.7 rather than 17.1 ns a row; the MagicPIG step at 256k, 6.0 -> 5.3 ms.
+// The rows are scattered over the region, a few kB apart: while the keys are worked on,
+// every cache line of the key and the value row kRowsAhead slots on is fetched into L2, so
+// the values' pass finds its rows there. Into L2 (_MM_HINT_T1) rather than L1, more misses
+// are in flight (docs/results/implementation_notes.md, "CPU kernels").
 constexpr int64_t kRowsAhead = 16;
 
 template <typename Row>
@@ -535,11 +532,8 @@ int64_t row_at(const AttendHead<Row>& a, int64_t slot) { return std::clamp<int64
 
 // The kHeads heads' (from g0) sums of weight · value row (weights [head][slot - begin], lanes
 // per head), 64 coordinates at a time, by add_weighted_rows: each row read once for all of
-// them, a row added only to the heads that sampled it. Head by head over the slots each
-// sampled, a row was read again by every head that sampled it: with the keys' pass 16 rows at
-// a time, the window's 1,024 rows of three heads at 16k keys 60-65 -> 35-42 us a call
-// (alternated in one process); a MagicPIG sample of 1 in 2 rows per head took the same either
-// way.
+// them, a row added only to the heads that sampled it, not read again by every head that
+// sampled it (docs/results/implementation_notes.md, "CPU kernels").
 template <int kHeads, typename Row>
 void sum_values_of_heads(const AttendHead<Row>& a, int64_t g0, int64_t begin, int64_t count, const float* weights,
                          int64_t lanes, Partial& out) {
@@ -586,9 +580,8 @@ void attend_block(const AttendHead<Row>& a, int64_t begin, int64_t end, Partial&
   const int64_t count = end - begin, lanes = (count + 15) / 16 * 16;
   // Per head and slot: the scaled score, then the corrected score, kUnsampled where the
   // head did not sample the row; then its weight. The cosines of the rows a head sampled
-  // are packed (with their slots), so the correction's vector math runs on full vectors:
-  // a head samples about 2 in 5 of its KV head's rows at 8k keys, scattered over them
-  // (SmolLM2's real indexes, one thread: the correction 73 -> 46 us a layer).
+  // are packed (with their slots), so the correction's vector math runs on full vectors: a
+  // head samples a scattered part of its KV head's rows (docs/results/implementation_notes.md).
   // The cosine's numerator q·(k - mu) is q·k - q·mu: one product per row and head, shared
   // with the score.
   std::vector<float> score(a.heads * lanes, kUnsampled), cosine(a.heads * lanes, 0.0f), q_norm(a.heads), q_mu(a.heads);
@@ -599,7 +592,7 @@ void attend_block(const AttendHead<Row>& a, int64_t begin, int64_t end, Partial&
     if (a.log_prob) q_mu[g] = dot(a.q + g * a.d, a.mu, a.d);
   }
   // The first kRowsAhead rows are fetched before the keys' loop, row c + kRowsAhead in it. (Not
-  // through a lambda: GCC 12 at -O3 dropped the prefetches of one, measured 5.4 -> 7.4 ms.)
+  // through a lambda: GCC 12 at -O3 drops the prefetches of one.)
   const int64_t ahead = std::min(end, begin + kRowsAhead);
   for (int64_t c = begin; c < ahead; ++c) prefetch_row(a.keys + row_at(a, c), a.d), prefetch_row(a.values + row_at(a, c), a.d);
   // 16 slots at a time: a head's 16 products are summed together (sum_each), then kept where

@@ -90,9 +90,8 @@ struct VoteTableSimd {
 };
 
 // r[k]: 8 bytes of each of rows 8k … 8k+7 (64 rows × 8 subspaces); out t[b], whose
-// byte i is subspace b of row i. Inlined by force: called, GCC 12 passed the 16 registers
-// through memory, and the coarse kernel at 1M keys (3 heads, a 64 MB write between calls)
-// took 1.34-1.58 ms against 1.06-1.19 inlined (medians of 61 calls, alternated processes).
+// byte i is subspace b of row i. Inlined by force: called, GCC 12 passes the 16 registers
+// through memory (docs/results/implementation_notes.md, "CPU kernels").
 inline __attribute__((always_inline)) void transpose_signs(const __m512i r_in[8], __m512i t[8]) {
   alignas(64) static constexpr uint8_t kByteOrder[64] = {  // [row j][b] → [b][row j] within 8 rows
       0, 8, 16, 24, 32, 40, 48, 56, 1, 9, 17, 25, 33, 41, 49, 57, 2, 10, 18, 26, 34, 42, 50, 58,
@@ -172,8 +171,7 @@ struct VoteTableSimd {
 
 // in[k]: qword i = 8 sign bytes of row 4k + i (32 rows); out t[b]: byte i of lane l is subspace
 // b of row 4(i >> 1) + 2l + (i & 1). Each lane's two rows interleaved by a byte shuffle, then
-// words, dwords and qwords of register pairs. Inlined by force, as the AVX-512 one (the AVX2
-// build on an AVX-512 CPU: 3.82-3.88 -> 3.69-3.78 ms a coarse call at 1M keys).
+// words, dwords and qwords of register pairs. Inlined by force, as the AVX-512 one.
 inline __attribute__((always_inline)) void transpose_signs(const __m256i in[8], __m256i t[8]) {
   const __m256i order = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
                                          0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
@@ -417,9 +415,7 @@ inline uint64_t patterns_in_bucket(const uint8_t* bucket, int p, int b) {
 // patterns go to 256 buckets of equal score ranges, by a monotone map (a higher score never
 // lands in a later bucket, equal scores in the same one); a bucket whose keys pass no cap
 // gives all its patterns one value, and only the patterns of a bucket that passes one are
-// sorted. A radix sort of all 256 patterns was half of the coarse kernel's time at 16k keys
-// (1.8 us a subspace in a profile of 98 us calls, SmolLM2 shape; 1.4 us against 0.5 us now
-// alone).
+// sorted, not all 256 (docs/results/implementation_notes.md, "CPU kernels").
 void subspace_votes(const float* score, const int32_t* count, const float* caps, int64_t n_tiers, uint8_t* lut) {
   const auto [top, width, nan] = score_range(score);
   float scale = (kPatterns - 1) / width;  // one bucket for all when the range is empty, infinite or NaN
@@ -457,15 +453,15 @@ void subspace_votes(const float* score, const int32_t* count, const float* caps,
 // A head's `count` rows: every row voting above a threshold t and the lowest rows at t,
 // ascending. Rows >= n vote -1 (stored as 0), so with n < count the rows n, n+1, … fill in.
 // The votes are counted and the rows written out block by block (kVoteRows rows), the
-// blocks split over the threads as the votes are: with whole heads split over two threads,
-// one thread took two of SmolLM2's three heads.
+// blocks split over the threads as the votes are: split by whole heads, one thread would
+// take two of SmolLM2's three.
 
 // t is the largest value with at least `count` rows at or above it. Each pass counts
 // kProbes thresholds spread over the bracket (lo, hi), ascending; once hi - lo <= kProbes + 1
 // they are every value between, so that pass ends the search. With 6 tiers and B = 8
 // (votes + 1 in 1 … 49) it takes two passes, the first run by the vote pass on each block's
-// fresh votes; a bisection over the byte's 256 values took eight passes over a head's votes
-// and a ninth for the count above t.
+// fresh votes, where a bisection over the byte's 256 values takes eight and a ninth for the
+// count above t.
 struct Search {
   int lo, hi;  // count_at_least(lo) >= count > count_at_least(hi)
   bool open() const { return hi - lo > 1; }
@@ -674,8 +670,7 @@ struct RowLayout {
 };
 
 // The kBytes bytes at p in the low bytes of a register, the rest zero, read by loads of
-// those bytes only: with a masked 64-byte load of the same bytes the rerank at 1M keys
-// took 15 % longer (4.35 against 3.69 ms; no difference with the rows in cache).
+// those bytes only, faster than a masked 64-byte load of them (docs/results/implementation_notes.md, "CPU kernels").
 template <int64_t kBytes>
 __m512i load_bytes(const uint8_t* p) {
   static_assert(0 < kBytes && kBytes <= 64);
@@ -758,8 +753,7 @@ float row_estimate(const RerankQuery& rq, const uint8_t* signs, const uint8_t* r
 #endif
 
 // Fetches row r's sign bytes and both ends of its record into L2. A function, not a lambda:
-// GCC 12 at -O3 dropped every prefetch of a lambda written for this (none left in the object
-// code; the rerank at 1M keys then took 7.9 ms, as with no prefetch at all).
+// GCC 12 at -O3 dropped every prefetch of a lambda written for this (check the object code).
 inline void fetch_candidate(const uint8_t* signs, const uint8_t* records, int64_t n_sub, int64_t record_bytes,
                             int64_t r) {
   _mm_prefetch(reinterpret_cast<const char*>(signs + r * n_sub), _MM_HINT_T1);
@@ -801,14 +795,10 @@ ffi::Error rerank(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> signs, ffi::Buffer<
       const float norm = q_norm.typed_data()[h];
       // The rows are scattered over the index, in ascending order, too sparse for the
       // hardware prefetcher: a row's signs and both ends of its record are fetched into L2
-      // kFar rows ahead. Not into L1 as well: those prefetches held line fill buffers that
-      // the misses from DRAM wait for (SmolLM2's shape, the rerank alone at 1M keys
-      // 2.07-2.13 -> 1.76-1.84 ms without them, at 256k 0.49 -> 0.42; Llama's at 256k and
-      // any at 16k unchanged).
-      // The item's first kFar rows are fetched before its loop: without that, each item of
-      // kRerankRows rows read its first kFar from DRAM unfetched (the rerank alone on an EPYC,
-      // same process, alternated, medians: 1M keys 3.90 -> 3.43 ms, 256k 1.00 -> 0.95, Llama's
-      // shape at 256k 4.94 -> 4.28).
+      // kFar rows ahead. Not into L1 as well: those prefetches hold line fill buffers that
+      // the misses from DRAM wait for. The item's first kFar rows are fetched before its
+      // loop, or each item would read them from DRAM unfetched
+      // (docs/results/implementation_notes.md, "CPU kernels").
       constexpr int64_t kFar = 48;
       const auto row_at = [&](int64_t i) { return std::clamp<int64_t>(row[i], 0, cap - 1); };
       for (int64_t i = begin; i < std::min(begin + kFar, end); ++i) fetch_candidate(s, rec, n_sub, kRecordBytes, row_at(i));
@@ -867,8 +857,7 @@ inline __m512i descending_keys(__m512 values) {
 
 // The positions of the values[C] whose key is <= bound, ascending, into out[C]; returns
 // how many. 16 values at a time, compressed in a register and stored (no branch on the
-// values; a compressing store to memory is microcoded on AMD's Zen 4: 85 % of the time
-// of a first version, perf).
+// values; a compressing store to memory is microcoded on AMD's Zen 4).
 int64_t positions_at_most(const float* values, int64_t c, uint32_t bound, int32_t* out) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int64_t n = 0;
@@ -898,8 +887,7 @@ int64_t positions_at_most(const float* values, int64_t c, uint32_t bound, int32_
 // A key bound that about k + 3·sqrt(k·C/S) + 9·C/S of the C values meet (at least k nearly
 // always): the quantile of a strided sample of S = min(1024, C/4) keys three standard
 // deviations and 8 past k/C. Where that would keep half the values or more, or S < 64, the
-// bound keeps every value: sorting them all is then cheaper than the sample. At 16k keys
-// (C = 3,277) sorting every value took 56 us of a 270 us top-100 step.
+// bound keeps every value: sorting them all is then cheaper than the sample.
 uint32_t sampled_key_bound(const float* values, int64_t c, int64_t k) {
   constexpr int64_t kSample = 1024, kMinSample = 64;
   const int64_t size = std::min(kSample, c / 4);
@@ -916,9 +904,8 @@ uint32_t sampled_key_bound(const float* values, int64_t c, int64_t k) {
 // lax.top_k's answer for values without NaN (its total order: −0 below +0). The values
 // whose keys are within a bound from a sample (or all of them, when fewer than k are) are
 // radix sorted by key, stably: the first k are the answer. No branch depends on the values
-// (a heap before mispredicted on every step's fresh scores). A radix select over all C
-// values before this took 208 us a call for 3 heads at C = 26k (256k keys), this 58-63 us
-// for k = 100 and 82-102 us for k = 2048.
+// (a heap mispredicts on every step's fresh scores), and far less of a radix select over
+// all C values (docs/results/implementation_notes.md, "CPU kernels").
 void top_k_row(const float* values, int64_t c, int64_t k, int32_t* out) {
   std::unique_ptr<int32_t[]> kept(new int32_t[c]);
   int64_t n = positions_at_most(values, c, sampled_key_bound(values, c, k), kept.get());

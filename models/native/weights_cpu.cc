@@ -1,8 +1,8 @@
 // Products with llama.cpp-quantised weight matrices read in their GGUF blocks (Q4_1, Q8_0),
-// as an XLA FFI custom call. A decode step multiplies one row per sequence by every weight
-// matrix: dequantised to float32 they are 8x (Q4_1) and 3.8x (Q8_0) the bytes the blocks
-// are, and reading them is most of a token's time (the f32 products of SmolLM2 took 20 ms
-// of a 31-39 ms token). Here each block is expanded in registers and never written.
+// as an XLA FFI custom call (models/native/__init__.py builds and registers it). A decode
+// step multiplies one row per sequence by every weight matrix: dequantised to float32 they
+// are 8x (Q4_1) and 3.8x (Q8_0) the bytes the blocks are, and reading them is most of a
+// token's time. Here each block is expanded in registers and never written.
 //
 // A block covers 32 consecutive inputs of one output row, d and m float16:
 //   Q4_1: {d, m, 16 bytes: input j's code in the low nibble of byte j, input j+16's in the

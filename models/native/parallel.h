@@ -1,12 +1,12 @@
-// What jaxkv's CPU kernels share: a cache-line prefetch, the lanes of a vector in use, the
-// sums of 16 vectors' lanes at once, the batch size of an FFI buffer's leading axes, a
-// bfloat16's float32 value, key and value rows widened in registers, softmax weights by
-// libmvec's exp, weighted sums of value rows, and work split over XLA's intra-op thread pool.
-// Included by every kernel source of the library.
+// What the CPU kernels share (models/native and jaxkv/native; build.py puts this directory on
+// the include path): a cache-line prefetch, the lanes of a vector in use, the sums of 16
+// vectors' lanes at once, the batch size of an FFI buffer's leading axes, a bfloat16's float32
+// value, key and value rows widened in registers, softmax weights by libmvec's exp, weighted
+// sums of value rows, and work split over XLA's intra-op thread pool.
 //
 // JAXKV_AVX512: the compiler targets AVX-512 (F, BW, VBMI, VBMI2), GFNI and BMI2, which every
 // kernel is written for. Without them (an AVX2 CPU) only ParisKV's selection is built, in its
-// AVX2 form (pariskv_cpu.cc); jaxkv/native/__init__.py registers what was built.
+// AVX2 form (jaxkv/native/pariskv_cpu.cc); build.py registers what was built.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VBMI2__) && \
@@ -106,8 +106,7 @@ inline bool rows_supported(const ffi::AnyBuffer& keys, const ffi::AnyBuffer& val
 
 // exp(x) per lane, 0 where x <= -87 (past float32's normal range; -inf for a key not
 // attended). Those lanes get input 0: libmvec takes a slow scalar path for any lane whose
-// input is -inf or far below -87 (MagicPIG's kernel at 256k: 4.9-5.0 ms with them in,
-// 4.5-4.6 ms without).
+// input is -inf or far below -87 (docs/results/implementation_notes.md, "CPU kernels").
 inline __m512 exp_or_zero(__m512 x) {
   const __mmask16 weighed = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
   return _mm512_maskz_mov_ps(weighed, _ZGVeN16v_expf(_mm512_maskz_mov_ps(weighed, x)));
@@ -146,8 +145,8 @@ inline int64_t product(ffi::Span<const int64_t> dims, size_t begin, size_t end) 
   return p;
 }
 
-// A pool thread woken by Schedule starts 27-93 us late (XLA's trace of a MagicPIG layer),
-// most of a kernel that takes 100-200 us. So a helper that is done with one kernel's items
+// A pool thread woken by Schedule starts tens of us late, much of a kernel that takes a
+// hundred or two (docs/results/implementation_notes.md). So a helper done with one kernel's items
 // may linger, spinning, for the next kernel's: a kernel that knows another follows within
 // microseconds (MagicPIG's hash, then its collide, then its attend) asks for it.
 constexpr std::chrono::microseconds kLinger{100};
