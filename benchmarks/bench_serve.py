@@ -161,6 +161,15 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def command_line(argv: list[str]) -> str:
+    """The command that reproduces a run: its flags without --out (where files go changes no number)."""
+    words = []
+    for i, word in enumerate(argv):
+        if not (word == "--out" or word.startswith("--out=") or (i and argv[i - 1] == "--out")):
+            words.append(word)
+    return " ".join(["python benchmarks/bench_serve.py", *words])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="512-token prompts, concurrency 1 and 2, 16 tokens")
@@ -183,7 +192,7 @@ def main(argv=None) -> int:
     import openai
 
     tokenizer = models.load(models.default_model_path())[2]
-    report = {"command": "python benchmarks/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report = {"command": command_line(argv if argv is not None else sys.argv[1:]),
               "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, float32 weights)", "max_tokens": args.max_tokens,
               "cpus": os.cpu_count(), "load_average_before": load_average(), "rows": []}
     proc, url = start_server(args)
@@ -203,7 +212,10 @@ def main(argv=None) -> int:
                     (out / "bench_serve.json").write_text(json.dumps(report, indent=1))
     finally:
         proc.terminate()
-        proc.wait(timeout=120)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
     report["load_average_after"] = load_average()
     (out / "bench_serve.json").write_text(json.dumps(report, indent=1))
     (out / "bench_serve.md").write_text(table(report["rows"]) + "\n")

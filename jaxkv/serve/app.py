@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -267,7 +268,9 @@ def create_app(engine: Engine, limits: ServeLimits) -> Starlette:
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+            # The engine stops at its next chunk of steps; a long compile in progress is not
+            # waited for beyond the timeout (the thread is a daemon: the process exits anyway).
+            await asyncio.get_running_loop().run_in_executor(None, functools.partial(engine.stop, timeout=10.0))
 
     return Starlette(
         routes=[
