@@ -32,7 +32,7 @@ import numpy as np
 
 import models
 from jaxkv import cache as kvcache
-from jaxkv import compilation
+from jaxkv import compilation, sharding
 from jaxkv.sampling import SamplingConfig, sample_rows
 
 PAD = -1  # marks "no token" in generated outputs
@@ -223,8 +223,6 @@ class _Programs:
     @staticmethod
     @functools.cache
     def on_mesh(mesh: jax.sharding.Mesh) -> "_Programs":
-        from jaxkv import sharding
-
         return _Programs(
             prefill_chunk=sharding.MeshJit(_prefill_chunk, mesh, donate_argnames=("staging",)),
             regions=sharding.MeshJit(functools.partial(sharding.regions_per_shard, mesh=mesh), mesh),

@@ -58,9 +58,10 @@ def test_text_is_held_back_while_it_could_become_a_stop_string():
             return "".join(chr(i) for i in ids)
 
     stream = TextStream(Chars(), ["END"])
-    assert stream.push([ord(c) for c in "abcE"]) == ("ab", False)  # "cE" may start "END"
-    assert stream.push([ord("N")]) == ("", False)
-    assert stream.push([ord(c) for c in "Dxyz"]) == ("c", True)
+    # The last len("END") - 1 characters wait: they may start "END".
+    assert stream.push([ord(c) for c in "abcE"]) == ("ab", False)
+    assert stream.push([ord("N")]) == ("c", False)
+    assert stream.push([ord(c) for c in "Dxyz"]) == ("", True)  # the text ends before the stop string
     plain = TextStream(Chars(), [])
     assert plain.push([ord("a"), 0xFFFD]) == ("a", False)  # an unfinished UTF-8 character waits
     assert plain.rest() == "\ufffd"
