@@ -196,7 +196,8 @@ def test_sparse_method_through_the_extension_field_equals_generate(server, model
     assert text != dense  # the method mattered: the server did not fall back to dense
 
 
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "pariskv"])
+# The sparse batch compiles ParisKV's programs for 8 rows: in the slow suite.
+@pytest.mark.parametrize("sparse", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["dense", "pariskv"])
 def test_concurrent_requests_are_batched_and_each_equals_its_answer_alone(server, model, sparse):
     _, _, tokenizer = model
     n = 16 if not sparse else 6
