@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
+import warnings
 
 import jax
 from jax import monitoring
@@ -62,12 +63,16 @@ def enable_persistent_cache(directory: pathlib.Path | str | None) -> pathlib.Pat
     (a prefill chunk, a layer's index build) add up to seconds per call.
 
     Returns:
-      the directory in use, or None.
+      the directory in use, or None (also when it cannot be created: a warning says why).
     """
     if directory is None:
         return None
     directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # an unusable cache costs compile time, not the command
+        warnings.warn(f"JAX compilation cache off: cannot create {directory}: {err.strerror}", stacklevel=2)
+        return None
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
