@@ -1,4 +1,4 @@
-"""The `jaxkv` command: generate, convert, eval, bench.
+"""The `jaxkv` command: generate, serve, convert, eval, bench.
 
 User errors (a missing model, a bad flag value, a prompt that does not fit)
 print one line `jaxkv: error: …` and exit with status 2; no traceback.
@@ -95,24 +95,27 @@ def _read_prompt(args) -> str:
     return text
 
 
-def cmd_generate(args) -> int:
+def _method_settings(args):
+    """(method config, cache config) from --method, --set and the region flags."""
     from jaxkv import cache as kvcache
     from jaxkv.attention import registry
     from jaxkv.attention.dense import DenseConfig
+
+    if args.method == "dense":
+        return (config_with_overrides(DenseConfig, args.set) if args.set else None), None
+    return (config_with_overrides(registry.get(args.method).config_class, args.set),
+            kvcache.CacheConfig(sink=args.sink, local=args.local, buffer=args.buffer,
+                                dense_threshold=0 if args.no_dense_fallback else None, offload=not args.on_device))
+
+
+def cmd_generate(args) -> int:
     from jaxkv.generate import generate
 
     text = _read_prompt(args)
     config, params, tokenizer = _load_model(args.model, args.keep_quantized)
     prompt = tokenizer.apply_chat_template(text) if args.chat else text
     ids = tokenizer.encode(prompt)
-    cache_config = None
-    if args.method == "dense":
-        method_config = config_with_overrides(DenseConfig, args.set) if args.set else None
-    else:
-        method_config = config_with_overrides(registry.get(args.method).config_class, args.set)
-        cache_config = kvcache.CacheConfig(
-            sink=args.sink, local=args.local, buffer=args.buffer,
-            dense_threshold=0 if args.no_dense_fallback else None, offload=not args.on_device)
+    method_config, cache_config = _method_settings(args)
     result = generate(
         params, config, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.method,
@@ -120,10 +123,28 @@ def cmd_generate(args) -> int:
         allow_beyond_context=args.allow_beyond_context,
         eos_ids=() if args.ignore_eos else None)
     print(tokenizer.decode(result.tokens[0]))
-    print(f"[{args.method}] prompt {len(ids)} tokens, prefill {result.prefill_tokens_per_second:.1f} tok/s "
-          f"({result.prefill_seconds:.2f} s); generated {len(result.tokens[0])} tokens, decode "
-          f"{result.decode_tokens_per_second:.1f} tok/s ({result.decode_seconds:.2f} s, compile included)",
-          file=sys.stderr)
+    print(f"[{args.method}] prompt {len(ids)} tokens, generated {len(result.tokens[0])}; "
+          f"compile {result.compile_seconds:.2f} s; prefill {result.prefill_tokens_per_second:.1f} tok/s "
+          f"({result.prefill_seconds:.2f} s); decode {result.decode_tokens_per_second:.1f} tok/s "
+          f"({result.decode_seconds:.2f} s)", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from jaxkv import serve
+
+    method_config, cache_config = _method_settings(args)
+    config, params, tokenizer = _load_model(args.model, args.keep_quantized)
+    max_context = args.max_context or config.max_position_embeddings
+    if not 1 < max_context <= config.max_position_embeddings and not args.allow_beyond_context:
+        raise UserError(f"--max-context {max_context} must be in [2, max_position_embeddings = "
+                        f"{config.max_position_embeddings}] (or pass --allow-beyond-context)")
+    name = args.model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
+    engine = serve.Engine(params, config, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
+                          chunk_steps=args.chunk_steps)
+    limits = serve.ServeLimits(name, max_context, args.default_max_tokens,
+                               serve.Method(args.method, method_config, cache_config))
+    serve.run(engine, limits, host=args.host, port=args.port, shutdown_grace=args.shutdown_grace)
     return 0
 
 
@@ -149,8 +170,23 @@ def cmd_bench(args) -> int:
     return attention.main(args.bench_args)
 
 
+def _add_compile_cache_flags(parser: argparse.ArgumentParser) -> None:
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--compile-cache", metavar="DIR",
+                       help="JAX's persistent compilation cache (default: $JAXKV_COMPILATION_CACHE, "
+                            "else ~/.cache/jaxkv/jax; 'off' in the variable disables it)")
+    cache.add_argument("--no-compile-cache", action="store_true", help="compile without the persistent cache")
+
+
+def _enable_compile_cache(args) -> None:
+    from jaxkv import compilation
+
+    compilation.enable_persistent_cache(compilation.cache_dir_setting(args.compile_cache, args.no_compile_cache))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__.splitlines()[0])
+    parser.set_defaults(compile_cache=None, no_compile_cache=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
@@ -182,7 +218,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     gen.add_argument("--allow-beyond-context", action="store_true",
                      help="allow positions past the model's max_position_embeddings")
+    _add_compile_cache_flags(gen)
     gen.set_defaults(run=cmd_generate)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with batched decoding (docs/serving.md)")
+    srv.add_argument("--model", help="model path (default: the embedded SmolLM2-135M-Instruct)")
+    srv.add_argument("--model-name", help="the model id clients name (default: the file's stem)")
+    srv.add_argument("--keep-quantized", action="store_true", help="keep a GGUF model's weights in their blocks")
+    srv.add_argument("--method", default="dense", choices=["dense", "magicpig", "pariskv", "topk", "pqcache", "hybrid"],
+                     help="attention of requests that do not choose one (the 'jaxkv' request field)")
+    srv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a method parameter")
+    srv.add_argument("--sink", type=int)
+    srv.add_argument("--local", type=int)
+    srv.add_argument("--buffer", type=int)
+    srv.add_argument("--no-dense-fallback", action="store_true")
+    srv.add_argument("--on-device", action="store_true")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch", type=int, default=8, help="most requests decoded together")
+    srv.add_argument("--max-context", type=int, help="most prompt + max_tokens tokens (default: the model's window)")
+    srv.add_argument("--max-queue", type=int, default=64, help="most waiting requests; more get HTTP 503")
+    srv.add_argument("--chunk-steps", type=int, default=8, help="decode steps between two deliveries of text")
+    srv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request without one")
+    srv.add_argument("--shutdown-grace", type=float, default=10.0,
+                     help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    srv.add_argument("--allow-beyond-context", action="store_true",
+                     help="allow --max-context past the model's max_position_embeddings")
+    _add_compile_cache_flags(srv)
+    srv.set_defaults(run=cmd_serve)
 
     conv = sub.add_parser("convert", help="convert a GGUF file or HF directory to a jaxkv checkpoint")
     conv.add_argument("src")
@@ -264,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        _enable_compile_cache(args)
         return args.run(args)
     except (UserError, *USER_ERRORS) as e:
         if os.environ.get("JAXKV_DEBUG"):

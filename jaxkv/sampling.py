@@ -30,25 +30,39 @@ def _keep_top_k(logits, k):
 
 
 def _keep_top_p(logits, p):
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    """logits [B, V] with every token outside the row's nucleus of mass p ([B, 1] or a scalar) at -inf."""
+    sorted_logits = -jnp.sort(-logits, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     # Keep the smallest prefix whose mass reaches p: a token stays if the mass
-    # strictly before it is < p (so the most likely token always stays).
+    # strictly before it is < p (so the most likely token always stays). The
+    # cut is a logit value, not a scatter of the sorted order: rows stay apart
+    # when the batch is split over devices.
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    sorted_keep = mass_before < p
-    keep = jnp.zeros_like(sorted_keep).at[
-        jnp.arange(logits.shape[0])[:, None], order].set(sorted_keep)
-    return jnp.where(keep, logits, -jnp.inf)
+    cutoff = jnp.min(jnp.where(mass_before < p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= cutoff, logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """Choose one token per row of logits [B, V] → int32 [B]."""
-    if cfg.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / cfg.temperature
-    if cfg.top_k is not None:
-        logits = _keep_top_k(logits, min(cfg.top_k, logits.shape[-1]))
-    if cfg.top_p is not None:
-        logits = _keep_top_p(logits, cfg.top_p)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
+                top_k: int | None = None) -> jax.Array:
+    """One token per row of logits [B, V] → int32 [B], each row by its own settings.
+
+    Args:
+      logits: [B, V] next-token logits.
+      keys: [B] PRNG keys, one per row.
+      temperature: [B]; 0 is greedy (argmax), otherwise the row draws at that temperature.
+      top_p: [B] nucleus mass per row (1 keeps every token).
+      top_k: keep only the k most likely tokens of every drawing row (static; None: all).
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawing = temperature > 0
+
+    def draw(logits):
+        scaled = logits.astype(jnp.float32) / jnp.where(drawing, temperature, 1.0)[:, None]
+        if top_k is not None:
+            scaled = _keep_top_k(scaled, min(top_k, scaled.shape[-1]))
+        # The nucleus sorts the vocabulary: only when a row asks for it.
+        scaled = jax.lax.cond(jnp.any(top_p < 1), lambda x: _keep_top_p(x, top_p[:, None]), lambda x: x, scaled)
+        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+    drawn = jax.lax.cond(jnp.any(drawing), draw, lambda _: greedy, logits)
+    return jnp.where(drawing, drawn, greedy)

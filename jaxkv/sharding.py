@@ -21,11 +21,16 @@ gathers, the index lookups and the flushes read only the device's (and its
 host's) shard, with no collective. The projections, the MLP and the LM head
 are left to XLA's partitioner (the ``wo`` and ``w_down`` contractions over the
 sharded axis end in an all-reduce over ``model``).
+
+All of this happens at the boundary of generate()'s jitted programs
+(:class:`MeshJit`: arguments placed and declared as in_shardings); generate()
+uses this module only when given a mesh.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import numpy as np
@@ -133,13 +138,8 @@ def _put(x, sharding: NamedSharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
 
 
-def place(tree, specs, mesh: Mesh | None):
-    """Put every leaf of `tree` on `mesh` by its spec, keeping its memory kind (pinned_host stays).
-
-    mesh None returns the tree unchanged.
-    """
-    if mesh is None:
-        return tree
+def place(tree, specs, mesh: Mesh):
+    """Put every leaf of `tree` on `mesh` by its spec, keeping its memory kind (pinned_host stays)."""
 
     def one(x, spec):
         kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
@@ -148,11 +148,9 @@ def place(tree, specs, mesh: Mesh | None):
     return jax.tree.map(one, tree, specs, is_leaf=lambda s: isinstance(s, P))
 
 
-def shard_params(params: models.Params, config: models.ModelConfig, mesh: Mesh | None,
+def shard_params(params: models.Params, config: models.ModelConfig, mesh: Mesh,
                  batch: int | None = None) -> models.Params:
-    """Parameters on the mesh (unchanged without one), after validate_mesh(mesh, config, batch)."""
-    if mesh is None:
-        return params
+    """Parameters on the mesh, after validate_mesh(mesh, config, batch)."""
     if models.quantized.is_quantized(params):
         raise ValueError("weights held in GGUF blocks (models.load(..., keep_quantized=True)) are not split over "
                          "a mesh; load them dequantised (keep_quantized=False) to shard them")
@@ -160,14 +158,9 @@ def shard_params(params: models.Params, config: models.ModelConfig, mesh: Mesh |
     return place(params, param_specs(params, mesh), mesh)
 
 
-def shard_states(states, mesh: Mesh | None):
-    """A decode state (dense cache or per-layer states) on the mesh (unchanged without one)."""
+def shard_states(states, mesh: Mesh):
+    """A decode state (dense cache or per-layer states) on the mesh."""
     return place(states, cache_specs(states), mesh)
-
-
-def shard_rows(x, mesh: Mesh | None):
-    """An array with a leading batch axis ([B, ...]) split over ``data``."""
-    return x if mesh is None else _put(x, NamedSharding(mesh, P(DATA)))
 
 
 # ----------------------------------------------------------------------------
@@ -207,27 +200,74 @@ class LocalAttention:
         return out, dataclasses.replace(state, keys_read=jax.lax.pmean(state.keys_read, MODEL))
 
 
-def per_shard(attention, mesh: Mesh | None):
-    """A generate() attention (one callable or one per layer) run per shard; unchanged without a mesh."""
-    if mesh is None:
-        return attention
+def per_shard(attention, mesh: Mesh):
+    """A generate() attention (one callable or one per layer) run per shard."""
     if callable(attention):
         return LocalAttention(attention, mesh)
     return tuple(LocalAttention(a, mesh) for a in attention)
 
 
-def states_from_prefill(backend: kvcache.Backend, staging: models.KVCache, lengths, mesh: Mesh | None):
+def regions_per_shard(staging: models.KVCache, lengths, *, backend: kvcache.Backend, mesh: Mesh):
     """backend.from_prefill per shard: each device splits and indexes its own rows and KV heads."""
-    if mesh is None:
-        return backend.from_prefill(staging, lengths)
-    return _from_prefill_per_shard(backend, mesh, staging, lengths)
-
-
-@functools.partial(jax.jit, static_argnames=("backend", "mesh"))
-def _from_prefill_per_shard(backend, mesh, staging, lengths):
     out_specs = cache_specs(jax.eval_shape(backend.from_prefill, staging, lengths))
     return jax.shard_map(backend.from_prefill, mesh=mesh, in_specs=(cache_specs(staging), P(DATA)),
                          out_specs=out_specs, check_vma=False)(staging, lengths)
+
+
+# ----------------------------------------------------------------------------
+# Programs on a mesh: placement at the jit boundary.
+
+
+def argument_specs(x, mesh: Mesh):
+    """PartitionSpecs for an argument of a generate() program, by what it is.
+
+    Parameters by :func:`param_specs`, decode caches by :func:`cache_specs`, any
+    other dataclass field by field; arrays with a leading batch axis on ``data``,
+    scalars replicated.
+    """
+    if isinstance(x, models.Params):
+        return param_specs(x, mesh)
+    if isinstance(x, (models.KVCache, kvcache.RegionKV, tuple, list)):
+        return cache_specs(x)
+    if dataclasses.is_dataclass(x):
+        return type(x)(**{f.name: argument_specs(getattr(x, f.name), mesh) for f in dataclasses.fields(x)})
+    return P() if np.ndim(x) == 0 else P(DATA)
+
+
+class MeshJit:
+    """``jax.jit(fun)`` for a mesh, with in_shardings taken from its arguments.
+
+    Each positional argument is placed on the mesh by :func:`argument_specs`
+    (keeping its memory kind: pinned_host stays) and the program is jitted with
+    those shardings as ``in_shardings``, one jitted function per distinct
+    placement and static keyword arguments (jit takes no keyword arguments
+    beside in_shardings, so they are bound first). Outputs keep the shardings
+    XLA propagates (shard_map's out_specs for attention), which the next
+    program takes as they are.
+    """
+
+    def __init__(self, fun, mesh: Mesh, *, donate_argnames=()):
+        self._fun, self._mesh = fun, mesh
+        positional = list(inspect.signature(fun).parameters)
+        self._donate = tuple(positional.index(name) for name in donate_argnames)
+        self._jitted: dict = {}
+
+    def _placed(self, args, static):
+        args = tuple(place(a, argument_specs(a, self._mesh), self._mesh) for a in args)
+        shardings = jax.tree.map(lambda x: x.sharding, args)
+        key = (jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)), tuple(sorted(static.items())))
+        if key not in self._jitted:
+            self._jitted[key] = jax.jit(functools.partial(self._fun, **static), in_shardings=shardings,
+                                        donate_argnums=self._donate)
+        return self._jitted[key], args
+
+    def __call__(self, *args, **static):
+        jitted, args = self._placed(args, static)
+        return jitted(*args)
+
+    def lower(self, *args, **static):
+        jitted, args = self._placed(args, static)
+        return jitted.lower(*args)
 
 
 # ----------------------------------------------------------------------------
@@ -256,7 +296,7 @@ def bytes_per_device(tree) -> dict[str, int]:
 
 
 __all__ = [
-    "AXES", "DATA", "MODEL", "LocalAttention", "bytes_per_device", "cache_specs", "fetch",
-    "make_mesh", "param_specs", "per_shard", "place", "shard_params", "shard_rows",
-    "shard_states", "states_from_prefill", "validate_mesh",
+    "AXES", "DATA", "MODEL", "LocalAttention", "MeshJit", "argument_specs", "bytes_per_device", "cache_specs",
+    "fetch", "make_mesh", "param_specs", "per_shard", "place", "regions_per_shard", "shard_params",
+    "shard_states", "validate_mesh",
 ]

@@ -52,6 +52,11 @@ class Tokenizer:
         """The prompt for one user turn, ending with the assistant's generation prompt."""
         messages = ([{"role": "system", "content": system}] if system is not None else [])
         messages.append({"role": "user", "content": user_text})
+        return self.apply_chat_messages(messages)
+
+    def apply_chat_messages(self, messages: list[dict]) -> str:
+        """The prompt for a conversation (``{"role", "content"}`` dicts), ending with the
+        assistant's generation prompt."""
         if self.chat_template is None:
             return _chatml(messages)
         return _compiled_template(self.chat_template).render(

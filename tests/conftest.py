@@ -2,6 +2,8 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CLI's persistent compilation cache stays out of the user's home during tests.
+os.environ.setdefault("JAXKV_COMPILATION_CACHE", "off")
 
 from hypothesis import HealthCheck, settings
 

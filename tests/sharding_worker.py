@@ -28,7 +28,6 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={TOTAL_DEVICE
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
@@ -36,7 +35,6 @@ import models  # noqa: E402
 from jaxkv import cache as kvcache  # noqa: E402
 from jaxkv import sharding  # noqa: E402
 from jaxkv.attention import magicpig, pariskv  # noqa: E402
-from jaxkv.sampling import SamplingConfig  # noqa: E402
 
 gen = importlib.import_module("jaxkv.generate")  # the module (jaxkv.generate is also the function)
 
@@ -91,19 +89,14 @@ def layout(tree) -> list:
 def states_before_and_after_decode(params, mesh, kwargs):
     """generate()'s own steps, keeping the decode state that generate() does not return."""
     rows = prompts()
-    lengths = [len(r) for r in rows]
-    backend = kvcache.make_backend(CONFIG, kwargs.get("method", "dense"), kwargs.get("method_config"),
-                                   kwargs.get("cache_config"), max(lengths), NEW_TOKENS)
     params = sharding.shard_params(params, CONFIG, mesh)
-    prefilled = jaxkv.prefill_prompts(params, CONFIG, rows, capacity=backend.staging_capacity, mesh=mesh)
-    lengths_j = sharding.shard_rows(jnp.asarray(lengths, jnp.int32), mesh)
-    states = sharding.states_from_prefill(backend, prefilled.staging, lengths_j, mesh)
-    before = layout(states)
-    spec = gen._LoopSpec(CONFIG, NEW_TOKENS, SamplingConfig(0.0, None, None), (), backend, mesh)
-    args = (prefilled.first_logits, lengths_j, states, jax.random.key(0))
-    params = gen._split_layers(params, CONFIG.num_layers)
-    compiled = gen._decode_loop.lower(params, spec, *args).compile()
-    _, _, states = compiled(params, *args)
+    capacity = max(map(len, rows)) + NEW_TOKENS
+    prefilled = jaxkv.prefill_prompts(params, CONFIG, rows, capacity=capacity, mesh=mesh)
+    decoding = gen.start_decoding(params, CONFIG, prefilled, max_new_tokens=NEW_TOKENS, mesh=mesh, **kwargs)
+    before = layout(decoding.caches)
+    compiled = decoding.lower(NEW_TOKENS - 1).compile()
+    decoding.advance(NEW_TOKENS - 1)
+    states = decoding.caches
     return (before, layout(states), sharding.bytes_per_device(states), prefilled.first_logits,
             collectives(compiled.as_text()))
 

@@ -21,9 +21,7 @@ import jaxkv
 import models
 from helpers_tiny_models import tiny_config
 from jaxkv import cache as kvcache
-from jaxkv import sharding
 from jaxkv.attention import magicpig, topk
-from jaxkv.sampling import SamplingConfig
 
 generate_module = importlib.import_module("jaxkv.generate")
 
@@ -81,14 +79,10 @@ def _decode_loop_hlo(config, prompt, new, method, method_config=None, cache_conf
     """The compiled text of generate()'s real token loop for one prompt, weights (and so the
     cache) of dtype."""
     params = models.cast_params(models.init_params(config, jax.random.key(0)), dtype)
-    backend = kvcache.make_backend(config, method, method_config, cache_config, len(prompt), new)
-    prefilled = jaxkv.prefill_prompts(params, config, [prompt], capacity=backend.staging_capacity)
-    lengths = jnp.asarray([len(prompt)], jnp.int32)
-    states = sharding.states_from_prefill(backend, prefilled.staging, lengths, None)
-    spec = generate_module._LoopSpec(config, new, SamplingConfig(), (), backend)
-    return generate_module._decode_loop.lower(
-        generate_module._split_layers(params, config.num_layers), spec, prefilled.first_logits, lengths, states,
-        jax.random.key(0)).compile().as_text()
+    prefilled = jaxkv.prefill_prompts(params, config, [prompt], capacity=len(prompt) + new)
+    decoding = generate_module.start_decoding(params, config, prefilled, max_new_tokens=new, method=method,
+                                              method_config=method_config, cache_config=cache_config)
+    return decoding.lower(new - 1).compile().as_text()
 
 
 def _arrays_of_shape(hlo, *shapes):

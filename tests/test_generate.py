@@ -138,7 +138,7 @@ def test_weights_split_by_the_caller_decode_the_same_without_a_split_per_call(pa
 
 
 def test_prefills_of_one_capacity_share_one_compiled_decode_loop(params):
-    from jaxkv.generate import _decode_loop
+    decode_chunk = importlib.import_module("jaxkv.generate")._ONE_DEVICE.decode_chunk
 
     method = dict(method="topk", method_config=topk.TopKConfig(top_k=8, sink=2, local=4, buffer=3),
                   cache_config=CacheConfig(dense_threshold=0))
@@ -148,7 +148,7 @@ def test_prefills_of_one_capacity_share_one_compiled_decode_loop(params):
         shared = jaxkv.prefill_prompts(params, CONFIG, prompts, capacity=64, prefill_chunk=16)
         reused.append(jaxkv.generate(params, CONFIG, None, max_new_tokens=10, eos_ids=(), prefilled=shared,
                                      **method).tokens)
-        compiled.append(_decode_loop._cache_size())
+        compiled.append(decode_chunk._cache_size())
     assert compiled[1] == compiled[0]  # the second batch ran the first one's program
     for prompts, tokens in zip(batches, reused):  # and the larger caches change no token
         assert tokens == jaxkv.generate(params, CONFIG, prompts, max_new_tokens=10, eos_ids=(), **method).tokens

@@ -21,8 +21,11 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 
+import jaxkv
 import models
+from jaxkv import cache as kvcache
 from jaxkv import sharding
+from jaxkv.attention import topk
 
 WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
 DEVICES = 8
@@ -219,12 +222,36 @@ def test_make_mesh_refuses_more_devices_than_visible():
         sharding.make_mesh(2, jax.device_count())
 
 
-def test_without_a_mesh_nothing_is_wrapped_or_moved():
+def _record_sharding_calls(monkeypatch) -> list[str]:
+    """Every function and class of jaxkv.sharding replaced by one that records its name, then runs."""
+    calls = []
+
+    def recording(name, target):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return target(*args, **kwargs)
+        return call
+
+    for name, value in list(vars(sharding).items()):
+        if callable(value) and getattr(value, "__module__", None) == sharding.__name__:
+            monkeypatch.setattr(sharding, name, recording(name, value))
+    return calls
+
+
+def test_one_device_generate_makes_no_sharding_call(monkeypatch):
+    """Without a mesh, prefill and decoding (dense, and a sparse method through the
+    four-region cache) call nothing in jaxkv.sharding; with a mesh the same patch
+    sees the placement at the programs' boundary, so it would see a call."""
     params = models.init_params(CONFIG, jax.random.key(0))
-    assert sharding.shard_params(params, CONFIG, None) is params
-    assert sharding.per_shard(models.cached_attention, None) is models.cached_attention
-    cache = models.init_cache(CONFIG, 2, 8)
-    assert sharding.shard_states(cache, None) is cache
+    sparse = dict(method="topk", method_config=topk.TopKConfig(top_k=4, sink=2, local=4, buffer=3),
+                  cache_config=kvcache.CacheConfig(dense_threshold=0))
+    calls = _record_sharding_calls(monkeypatch)
+    for kwargs in (dict(), sparse):
+        jaxkv.generate(params, CONFIG, [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4]], max_new_tokens=6, **kwargs)
+    assert calls == []
+    jaxkv.generate(params, CONFIG, [[5, 6, 7, 8]], max_new_tokens=2, mesh=jax.make_mesh(
+        (1, 1), sharding.AXES, axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1]))
+    assert {"shard_params", "argument_specs", "place"} <= set(calls), calls
 
 
 def test_param_specs_split_heads_and_mlp_over_model_and_replicate_the_rest():
