@@ -73,16 +73,24 @@ def _memory_kind(aval) -> str:
     return "pinned_host" if aval.memory_space == jax.memory.Space.Host else "device"
 
 
-def abstract_states(backend: kvcache.Backend, staging, lengths, mesh):
-    """Every layer's decode state as abstract arrays in the memory kinds generate() puts them in.
-
-    Traced, not run: ``jax.eval_shape`` would give the tree but lose the memory
-    kinds, which the traced program's output types keep.
-    """
+def state_types(backend: kvcache.Backend, staging, lengths):
+    """(tree structure, types) of every layer's decode state from a prefilled staging cache,
+    traced, not run. The types keep their memory space (``jax.eval_shape`` would lose it)."""
     jaxpr, tree = jax.make_jaxpr(backend.from_prefill, return_shape=True)(staging, lengths)
-    leaves, treedef = jax.tree.flatten(tree)
-    assert len(leaves) == len(jaxpr.out_avals)
-    return jax.tree.unflatten(treedef, [placed(a, mesh, _memory_kind(a)) for a in jaxpr.out_avals])
+    treedef = jax.tree.structure(tree)
+    assert treedef.num_leaves == len(jaxpr.out_avals)
+    return treedef, jaxpr.out_avals
+
+
+def pinned_host_bytes(types) -> int:
+    """Bytes of the types (``state_types``) that live in pinned host memory."""
+    return sum(int(np.prod(t.shape)) * t.dtype.itemsize for t in types if _memory_kind(t) == "pinned_host")
+
+
+def abstract_states(backend: kvcache.Backend, staging, lengths, mesh):
+    """Every layer's decode state as abstract arrays on ``mesh`` in the memory kinds generate() puts them in."""
+    treedef, types = state_types(backend, staging, lengths)
+    return jax.tree.unflatten(treedef, [placed(t, mesh, _memory_kind(t)) for t in types])
 
 
 @dataclasses.dataclass(frozen=True)
