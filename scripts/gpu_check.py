@@ -58,6 +58,7 @@ class Sizes:
     repeats: int
     shapes: tuple[str, ...]        # speed rows: largest first, the papers' comparison point
     layers: int | None             # of the speed rows' models; None: the model's own
+    vocab: int | None              # of the speed rows' models; None: the model's own
     contexts: tuple[int, ...]
     new_tokens: int
     prompt_chars: int              # of the SmolLM2 prompt
@@ -73,14 +74,16 @@ class Sizes:
 # Four layers of each model: at full depth, compiling one variant's decode loop takes
 # 1-2.5 minutes (docs/results/gpu.md), and the run has 8 minutes in all.
 FULL = Sizes(kernel_keys=(32768, 131072, 524288), repeats=10, shapes=("llama-3.1-8b", "llama-3.2-1b"),
-             layers=4, contexts=(131072, 32768), new_tokens=32, prompt_chars=12000, token_layers=None,
+             layers=4, vocab=None, contexts=(131072, 32768), new_tokens=32, prompt_chars=12000, token_layers=None,
              token_steps=16, token_cache=None, kernels="pallas", token_methods=("pariskv", "magicpig", "hybrid"),
              kernel_methods=("pariskv", "magicpig"),
              speed_variants=(("dense", False), ("dense", True), ("pariskv", True), ("magicpig", True),
                              ("hybrid", True)))
 # Every code path once, at the smallest sizes that still select (a window of 16 + 8 over
-# a 300-token prompt; ParisKV alone: the methods differ in their configs, not in this script).
-DRY = Sizes(kernel_keys=(1024,), repeats=1, shapes=("llama-3.2-1b",), layers=1, contexts=(4096,), new_tokens=3,
+# a 300-token prompt; ParisKV alone: the methods differ in their configs, not in this
+# script; a vocabulary of 4,096, so that the toy model does not hold 128k embeddings).
+DRY = Sizes(kernel_keys=(1024,), repeats=1, shapes=("llama-3.2-1b",), layers=1, vocab=4096, contexts=(4096,),
+            new_tokens=3,
             prompt_chars=1200, token_layers=2, token_steps=3,
             token_cache=kvcache.CacheConfig(sink=4, local=16, buffer=8, dense_threshold=0), kernels="interpret",
             token_methods=("pariskv",), kernel_methods=("pariskv",),
@@ -249,6 +252,8 @@ def _shape_rows(sizes: Sizes, shape: str, deadline: float):
     """speed_rows of one model shape (its weights are freed when the rows are done)."""
     dtype = jnp.bfloat16
     config = llama_config(shape, sizes.layers)
+    if sizes.vocab is not None:
+        config = dataclasses.replace(config, vocab_size=sizes.vocab)
     params = jax.jit(lambda key: models.unstack_layers(models.init_params(config, key, dtype),
                                                        config.num_layers))(jax.random.key(0))
     for context in sizes.contexts:

@@ -1,9 +1,9 @@
 """scripts/gpu_check.sh and gpu_check.py, the GPU acceptance run, kept working on the CPU.
 
 The dry run executes every section of gpu_check.py at toy sizes (SmolLM2 cut to two
-layers, one layer of the Llama-3.2-1B shape, 4k context, kernels in interpret mode,
-ParisKV standing for the sparse methods): the same code the GPU run executes, so that
-it cannot rot between GPU runs.
+layers, one layer of the Llama-3.2-1B shape with a 4,096-token vocabulary, 4k context,
+kernels in interpret mode, ParisKV standing for the sparse methods): the same code the
+GPU run executes, so that it cannot rot between GPU runs.
 """
 from __future__ import annotations
 
