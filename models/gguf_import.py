@@ -11,7 +11,6 @@ from __future__ import annotations
 import pathlib
 import re
 
-import gguf
 import jax.numpy as jnp
 import numpy as np
 
@@ -53,6 +52,9 @@ def load_gguf(path, dtype=jnp.float32, *, keep_quantized: bool = False):
     (:class:`models.quantized.QuantizedMatrix`, the decoder computes in float32 from
     them); the rest is dequantised to ``dtype``.
     """
+    # Imported here: the rest of models runs where the package is missing (a GPU machine).
+    import gguf
+
     path = pathlib.Path(path)
     if not path.is_file():
         raise ModelNotFoundError(f"no GGUF file at {path}")

@@ -7,6 +7,10 @@ in plain jnp that defines what it computes: ``simhash`` (MagicPIG codes),
 over gathered rows, with the log-sum-exp merge). ``dispatch`` picks the kernel on
 a GPU backend and the XLA reference elsewhere. A leaf package: imports only JAX.
 
-Mosaic GPU, Pallas's other GPU backend, has no row gather on Hopper; if Triton
-support ends, the gathers here are the parts to port.
+Backend: Triton, for every kernel. collide, vote, rsq_rerank and gather_attention
+load rows (or table entries) by a vector of indices, which Mosaic GPU does not lower
+("int_indexer_shape non-empty" on JAX 0.10.2 and 0.12.1), and Triton compiles for an
+H100 (tests/test_gpu_compile.py). simhash gathers nothing and could move, but it runs
+at prefill and flush only, where XLA's path is as fast on an H200; if the deprecated
+Triton backend goes, it keeps its XLA path. docs/results/gpu.md has the evidence.
 """

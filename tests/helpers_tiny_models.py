@@ -53,12 +53,12 @@ def save_transformers_model(kind: str, directory: pathlib.Path, seed: int = 0) -
     return directory
 
 
-def reload_transformers_model(directory: pathlib.Path):
-    """The float32 reference: reloaded from disk (see DESIGN.md on casting live models)."""
+def reload_transformers_model(directory: pathlib.Path, dtype: str = "float32"):
+    """The reference in ``dtype`` (float32 or bfloat16): reloaded from disk (see DESIGN.md on casting live models)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
 
 
 def write_random_hf_checkpoint(directory: pathlib.Path, config: ModelConfig, *, drop=(), extra=None,

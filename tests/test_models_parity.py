@@ -304,3 +304,69 @@ def test_greedy_generation_matches_transformers(reference, loaded):
     ours = jaxkv.generate(params, config, [prompt], max_new_tokens=24).tokens[0]
     assert ours == _hf_greedy(reload_transformers_model(directory), prompt, 24, config.eos_token_ids)
 
+
+
+# ----------------------------------------------------------------------------
+# bfloat16 against transformers' bfloat16 forward.
+#
+# bfloat16 keeps 8 significant bits (unit roundoff 2^-8 ≈ 0.4 %): a logit of 5 moves by
+# up to 0.02 when the output alone is rounded, and each layer rounds ~10 intermediates
+# (norms, projections, scores, softmax, MLP). Two correct bfloat16 forwards that round
+# at different points therefore differ by ~0.1 at the worst logit of these models
+# (measured 0.09-0.16), the size of either one's distance from the float32 forward
+# (measured 0.13-0.20). No fixed tolerance separates that from a bug, so the tests
+# measure transformers' own bfloat16 error against its float32 forward (its bfloat16
+# model reloaded from the same float32 checkpoint) and hold jaxkv's bfloat16 forward to
+# it: worst logit within 1.5x, mean within 1.25x (measured ratios 0.76-1.07 and
+# 0.99-1.03). A floor (a quarter of transformers' mean error) checks that jaxkv did
+# round, i.e. computed in bfloat16.
+BF16_MAX_RATIO, BF16_MEAN_RATIO, BF16_FLOOR_RATIO = 1.5, 1.25, 0.25
+
+
+@pytest.fixture(scope="module")
+def bfloat16_reference(build_reference):
+    """kind -> (directory, tokens, float32 logits, transformers' bfloat16 logits as float32)."""
+    built = {}
+
+    def build(kind):
+        if kind not in built:
+            _, directory, tokens, logits = build_reference(kind)
+            with torch.no_grad():
+                half = reload_transformers_model(directory, "bfloat16")
+                assert half.model.rotary_emb.inv_freq.dtype == torch.float32  # reloaded, not cast
+                built[kind] = directory, tokens, logits, half(torch.tensor(tokens)).logits.float().numpy()
+        return built[kind]
+
+    return build
+
+
+def _assert_as_close_as_transformers_bfloat16(ours, full, half):
+    """jaxkv's bfloat16 logits are as close to the float32 ones as transformers' bfloat16 logits are."""
+    ours_err, their_err = np.abs(ours - full), np.abs(half - full)
+    assert ours_err.max() <= BF16_MAX_RATIO * their_err.max(), (ours_err.max(), their_err.max())
+    assert ours_err.mean() <= BF16_MEAN_RATIO * their_err.mean(), (ours_err.mean(), their_err.mean())
+    assert ours_err.mean() >= BF16_FLOOR_RATIO * their_err.mean(), "no bfloat16 rounding: computed in float32?"
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_HF_CONFIGS))
+def test_bfloat16_forward_matches_transformers_bfloat16(bfloat16_reference, kind):
+    directory, tokens, full, half = bfloat16_reference(kind)
+    config, params, _ = models.load(directory, "bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    logits = forward(params, config, jnp.asarray(tokens, jnp.int32))  # float32 from bfloat16 hidden states
+    _assert_as_close_as_transformers_bfloat16(np.asarray(logits), full, half)
+
+
+def test_bfloat16_decode_with_cache_matches_transformers_bfloat16(bfloat16_reference):
+    """Llama-3.1: prefill, then one token at a time through the bfloat16 cache (held as bits)."""
+    directory, tokens, full, half = bfloat16_reference("llama31")
+    config, params, _ = models.load(directory, jnp.bfloat16)
+    cache = models.init_cache(config, BATCH, PROMPT, jnp.bfloat16)
+    assert cache.dtype == jnp.bfloat16 and cache.k.dtype == models.ROW_BITS
+    logits, cache = forward(params, config, jnp.asarray(tokens[:, :PREFILL], jnp.int32), cache)
+    steps = [logits]
+    for pos in range(PREFILL, PROMPT):
+        logits, cache = forward(params, config, jnp.asarray(tokens[:, pos:pos + 1], jnp.int32), cache,
+                                positions=jnp.full((BATCH, 1), pos, jnp.int32))
+        steps.append(logits)
+    _assert_as_close_as_transformers_bfloat16(np.concatenate(steps, axis=1), full, half)
