@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import models
 from jaxkv import native
 from jaxkv.attention import common
+from models import fields
 
 KERNEL_MODES = ("xla", "native")
 
@@ -28,8 +29,7 @@ class DenseConfig:
     kernels: str = "xla"
 
     def __post_init__(self):
-        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_MODES:
-            raise ValueError(f"DenseConfig.kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
+        fields.check(self, kernels=fields.OneOf(KERNEL_MODES))
 
 
 def native_decode_attention(q, k_all, v_all, q_positions):

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.attention import common, magicpig, pariskv, rsq
+from models import fields
 
 
 TAILS = ("regression", "lsh", "none")
@@ -89,15 +90,11 @@ class HybridConfig:
     dense_layers: tuple = ()
 
     def __post_init__(self):
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"HybridConfig.top_k must be an int >= 0, got {self.top_k!r}")
-        if self.tail not in TAILS:
-            raise ValueError(f"HybridConfig.tail must be one of {TAILS}, got {self.tail!r}")
+        # Types of every field (from the annotations); the bounds of the parts' settings are the parts' own.
+        fields.check(self, top_k=fields.NON_NEGATIVE, tail=fields.OneOf(TAILS))
         if self.top_k == 0 and self.tail != "lsh":
             raise ValueError(f"HybridConfig: top_k=0 with tail={self.tail!r} has no head to work from; "
                              "use top_k >= 1 or tail='lsh' (MagicPIG alone)")
-        if isinstance(self.dense_layers, list):
-            object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         try:  # the parts validate their own fields; name this config in the message
             self.head_config()
             self.tail_config()

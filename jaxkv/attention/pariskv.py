@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxkv import native
 from jaxkv.attention import common, rsq
+from models import fields
 from pallas_kernels import dispatch
 
 TIER_FRACTIONS = (0.05, 0.15, 0.30, 0.50, 0.75, 1.0)
@@ -75,25 +76,16 @@ class ParisKVConfig:
     collision_ratio: float | None = None  # None: length-adaptive, from the capacity
     official_levels: bool = False  # True: the official m=8 Lloyd–Max table
     seed: int = 0
-    dense_layers: tuple = ()
+    dense_layers: tuple[int, ...] = ()
     kernels: str = "auto"
 
     def __post_init__(self):
-        if not 2 <= self.m <= MAX_M:
-            raise ValueError(f"ParisKVConfig.m must be in [2, {MAX_M}], got {self.m}")
-        if self.top_k < 1:
-            raise ValueError(f"ParisKVConfig.top_k must be >= 1, got {self.top_k}")
-        common.check_non_negative(self, "sink", "local", "buffer")
-        for name in ("candidate_ratio", "collision_ratio"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value <= 1:
-                raise ValueError(f"ParisKVConfig.{name} must be in (0, 1] or None, got {value}")
+        fields.check(self, m=fields.in_range(2, MAX_M), top_k=fields.at_least(1), sink=fields.NON_NEGATIVE,
+                     local=fields.NON_NEGATIVE, buffer=fields.NON_NEGATIVE, candidate_ratio=fields.FRACTION,
+                     collision_ratio=fields.FRACTION, seed=fields.SEED, dense_layers=fields.NON_NEGATIVE,
+                     kernels=fields.OneOf(tuple(KERNEL_MODES)))
         if self.official_levels and self.m != 8:
             raise ValueError(f"ParisKVConfig.official_levels needs m=8, got m={self.m}")
-        if not isinstance(self.dense_layers, tuple):
-            raise ValueError(f"ParisKVConfig.dense_layers must be a tuple, got {self.dense_layers!r}")
-        if not isinstance(self.kernels, str) or self.kernels not in KERNEL_MODES:
-            raise ValueError(f"ParisKVConfig.kernels must be one of {tuple(KERNEL_MODES)}, got {self.kernels!r}")
         if self.kernels == "native" and self.m != 8:
             raise ValueError(f"ParisKVConfig.kernels='native' needs m=8, got m={self.m}")
 
