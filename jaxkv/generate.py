@@ -21,7 +21,7 @@ import numpy as np
 
 import models
 from jaxkv import cache as kvcache
-from jaxkv import sharding
+from jaxkv import memory, request, sharding
 from jaxkv.sampling import SamplingConfig, sample
 
 PAD = -1  # marks "no token" in generated outputs
@@ -49,27 +49,6 @@ class Generation:
         """Batch tokens produced per second of the decode loop (first token excluded)."""
         n = len(self.tokens) * max(self.decode_steps - 1, 0)
         return n / max(self.decode_seconds, 1e-9)
-
-
-def _validate_prompts(prompts, config) -> list[list[int]]:
-    if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1:
-        prompts = [prompts]
-    arrays = [np.asarray(p) for p in prompts]
-    if not arrays:
-        raise ValueError("prompts is empty: give at least one prompt")
-    for i, array in enumerate(arrays):
-        # An empty list reads as float64; any other non-integer id would be truncated silently.
-        if array.size and not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"prompt {i}: token ids must be integers, found {array.dtype}")
-    rows = [array.astype(np.int64).reshape(-1).tolist() for array in arrays]
-    for i, row in enumerate(rows):
-        if not row:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        bad = [t for t in row if not 0 <= t < config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {config.vocab_size})")
-    return rows
 
 
 def _validate_split_layers(params, config) -> None:
@@ -140,11 +119,10 @@ def prefill_prompts(params, config, prompts, *, capacity: int, prefill_chunk: in
 
     mesh: a jaxkv.sharding mesh to prefill on (the cache comes back sharded on it).
     """
-    rows = _validate_prompts(prompts, config)
+    rows = request.prompt_rows(prompts, config)
+    request.check_prefill(prefill_chunk=prefill_chunk, dtype=dtype, mesh=mesh, capacity=capacity)
     _validate_split_layers(params, config)
     params = sharding.shard_params(params, config, mesh, batch=len(rows))
-    if prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     dtype = dtype or models.activation_dtype(params)
     t0 = time.perf_counter()
     staging, first_logits = prefill(params, config, rows, capacity, prefill_chunk, dtype, mesh)
@@ -246,6 +224,11 @@ def generate(
 ) -> Generation:
     """Generate up to max_new_tokens tokens for each prompt (token-id lists of any lengths).
 
+    prompts: a list of prompts, each a list of int token ids, or a 2-D int array; a flat
+    list of ints (or a 1-D array) is one prompt (see jaxkv.request). Every argument is
+    checked before any work, and a request whose caches cannot fit in memory is refused
+    (jaxkv.memory.RequestTooLargeError, a ValueError).
+
     method: "dense" or a sparse method name (see jaxkv.cache.METHODS); method_config
     overrides that method's defaults; cache_config sizes the four regions.
     Stops per row on any of eos_ids (default: the model's EOS tokens).
@@ -260,24 +243,14 @@ def generate(
     models.unstack_layers. The decode loop needs them split: stacked weights are
     split (copied) on every call, split ones are used as they are.
     """
-    rows = prefilled.rows if prefilled is not None else _validate_prompts(prompts, config)
+    rows = prefilled.rows if prefilled is not None else request.prompt_rows(prompts, config)
+    eos_ids = request.check_generate(
+        config, rows, max_new_tokens=max_new_tokens, eos_ids=eos_ids, seed=seed, method=method,
+        cache_config=cache_config, prefill_chunk=prefill_chunk, allow_beyond_context=allow_beyond_context,
+        dtype=dtype, mesh=mesh)
     _validate_split_layers(params, config)
     params = sharding.shard_params(params, config, mesh, batch=len(rows))
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool):
-        raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    longest = max(len(r) for r in rows) + max_new_tokens
-    if longest > config.max_position_embeddings and not allow_beyond_context:
-        raise ValueError(
-            f"prompt + max_new_tokens = {longest} tokens exceeds the model's "
-            f"max_position_embeddings = {config.max_position_embeddings} "
-            "(pass allow_beyond_context=True to go past it anyway)")
     sampling = SamplingConfig(temperature, top_k, top_p)
-    eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
-    bad_eos = [t for t in eos_ids if not 0 <= t < config.vocab_size]
-    if bad_eos:
-        raise ValueError(f"eos_ids: token id {bad_eos[0]} outside the vocabulary [0, {config.vocab_size})")
     lengths = [len(r) for r in rows]
     if max_new_tokens == 0:
         return Generation([[] for _ in rows], lengths, 0.0, 0.0, 0)
@@ -291,6 +264,10 @@ def generate(
     positions = needed if prefilled is None else prefilled.capacity
     backend = kvcache.make_backend(config, method, method_config, cache_config, positions - max_new_tokens,
                                    max_new_tokens)
+    memory.check_fits(memory.request_need(backend, config, batch=len(rows), max_new_tokens=max_new_tokens,
+                                          dtype=dtype or models.activation_dtype(params),
+                                          prefilled=prefilled is not None),
+                      devices=None if mesh is None else mesh.devices.flat)
     t0 = time.perf_counter()
     if prefilled is None:
         prefilled = prefill_prompts(params, config, rows, capacity=backend.staging_capacity,
