@@ -152,11 +152,6 @@ def _check_model_path(path: str, flag: str = "--model") -> None:
         raise UsageError(f"no model at {path}")
 
 
-def _load_model(path: str | None, keep_quantized: bool = False):
-    """(config, params, tokenizer) of the --model flag's model."""
-    return _model_source(path).load(keep_quantized=keep_quantized)
-
-
 def _read_prompt(args) -> str:
     if args.prompt is not None:
         text = args.prompt
@@ -185,6 +180,9 @@ def _generate_request(args) -> _GenerateRequest:
     from jaxkv import cache as kvcache
     from jaxkv.attention.dense import DenseConfig
 
+    unused = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
+    if args.temperature == 0 and unused:
+        raise UsageError(f"{', '.join(unused)}: sampling filters need --temperature > 0 (0 is greedy decoding)")
     if args.method == "dense":
         given = [f"--{name.replace('_', '-')}" for name in REGION_FLAGS if getattr(args, name) not in (None, False)]
         if given:
@@ -230,6 +228,8 @@ def cmd_generate(args) -> int:
     request = _generate_request(args)
     text = _read_prompt(args)
     source = _model_source(args.model)
+    if args.keep_quantized and source.kind != "gguf":
+        raise UsageError(f"--keep-quantized applies to GGUF models; {source.path} is a {source.kind} model")
     tokenizer = _require_tokenizer(source)
     prompt = tokenizer.apply_chat_template(text) if args.chat else text
     ids = tokenizer.encode(prompt)
@@ -279,6 +279,8 @@ def _study(module: str, args) -> int:
         raise UsageError(str(err)) from None
     if args.model is not None:
         _check_model_path(args.model)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} is a file; give a directory for the study's outputs")
     return study.main(args)
 
 

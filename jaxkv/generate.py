@@ -51,13 +51,6 @@ class Generation:
         return n / max(self.decode_seconds, 1e-9)
 
 
-def _validate_split_layers(params, config) -> None:
-    """Weights split per layer (models.unstack_layers) must hold every layer of the config."""
-    if models.layers_are_split(params) and len(params.layers) != config.num_layers:
-        raise ValueError(f"params holds {len(params.layers)} split layers; the config has "
-                         f"num_layers = {config.num_layers}")
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -119,9 +112,9 @@ def prefill_prompts(params, config, prompts, *, capacity: int, prefill_chunk: in
 
     mesh: a jaxkv.sharding mesh to prefill on (the cache comes back sharded on it).
     """
+    request.check_model(params, config)
     rows = request.prompt_rows(prompts, config)
     request.check_prefill(prefill_chunk=prefill_chunk, dtype=dtype, mesh=mesh, capacity=capacity)
-    _validate_split_layers(params, config)
     params = sharding.shard_params(params, config, mesh, batch=len(rows))
     dtype = dtype or models.activation_dtype(params)
     t0 = time.perf_counter()
@@ -243,12 +236,12 @@ def generate(
     models.unstack_layers. The decode loop needs them split: stacked weights are
     split (copied) on every call, split ones are used as they are.
     """
+    request.check_model(params, config)
     rows = prefilled.rows if prefilled is not None else request.prompt_rows(prompts, config)
     eos_ids = request.check_generate(
         config, rows, max_new_tokens=max_new_tokens, eos_ids=eos_ids, seed=seed, method=method,
         cache_config=cache_config, prefill_chunk=prefill_chunk, allow_beyond_context=allow_beyond_context,
         dtype=dtype, mesh=mesh)
-    _validate_split_layers(params, config)
     params = sharding.shard_params(params, config, mesh, batch=len(rows))
     sampling = SamplingConfig(temperature, top_k, top_p)
     lengths = [len(r) for r in rows]

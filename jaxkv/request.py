@@ -14,8 +14,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import models
 from jaxkv.cache import CacheConfig
 from models import fields
+
+
+def check_model(params, config) -> None:
+    """``params`` must be a models.Params whose tensors have ``config``'s shapes (else they would run, wrongly).
+
+    Weights split per layer (models.unstack_layers) must hold every layer of the config.
+    """
+    fields.check_value("config", config, models.ModelConfig)
+    fields.check_value("params", params, models.Params)
+    if models.layers_are_split(params):
+        if len(params.layers) != config.num_layers:
+            raise ValueError(f"params holds {len(params.layers)} split layers; the config has "
+                             f"num_layers = {config.num_layers}")
+        expected = {name: shape for name, shape in models.param_shapes(config).items() if name != "layers"}
+        found = {name: getattr(params, name) for name in ("embed", "final_norm", "unembed")
+                 if getattr(params, name) is not None}
+    else:
+        expected, found = models.param_shapes(config), models.params_to_dict(params)
+    try:
+        models.check_tree(expected, found)
+    except models.ModelError as err:
+        raise models.ModelError(f"params do not match the config: {err}") from None
 
 
 def prompt_rows(prompts, config) -> list[list[int]]:

@@ -30,12 +30,13 @@ from models.gguf_import import load_gguf
 from models.hf import load_hf
 from models.files import LeftoverRemovedWarning
 from models.loading import ModelSource, default_model_path, load, open_model
-from models.params import LayerParams, Params, activation_dtype, cast_params, init_params, layers_are_split, param_shapes, unstack_layers
+from models.params import (LayerParams, Params, activation_dtype, cast_params, check_tree, init_params,
+                           layers_are_split, param_shapes, params_to_dict, unstack_layers)
 from models.tokenizer import Tokenizer
 
 __all__ = [
     "KVCache", "LeftoverRemovedWarning", "ModelSource", "ROW_BITS", "activation_dtype", "cached_attention", "cast_params", "LayerParams", "ModelConfig", "ModelError", "ModelNotFoundError", "Params", "Tokenizer",
     "default_model_path", "dense_causal_attention", "forward", "forward_hidden", "init_cache", "init_params",
-    "lm_head", "load", "load_gguf", "load_hf", "open_model", "param_shapes", "prefix_causal_attention", "restore", "rms_norm", "row_dtype", "row_values", "rows_to_store", "save", "stored_rows",
+    "check_tree", "lm_head", "load", "load_gguf", "load_hf", "open_model", "params_to_dict", "param_shapes", "prefix_causal_attention", "restore", "rms_norm", "row_dtype", "row_values", "rows_to_store", "save", "stored_rows",
     "layers_are_split", "transpose_keys", "unstack_layers", "write_if",
 ]

@@ -76,6 +76,8 @@ def checkpoint_dir(tmp_path_factory):
     (["generate", "--prompt", "hi", "--temperature", "1e-9"], "must be 0 (greedy) or >= 1e-06"),
     (["generate", "--prompt", "hi", "--top-p", "1.5"], "argument --top-p: must be in (0, 1], got '1.5'"),
     (["generate", "--prompt", "hi", "--top-k", "0"], "argument --top-k: must be >= 1, got '0'"),
+    (["generate", "--prompt", "hi", "--top-k", "5", "--top-p", "0.5"],
+     "--top-k, --top-p: sampling filters need --temperature > 0 (0 is greedy decoding)"),
     (["generate", "--prompt", "hi", "--method", "magicpig", "--sink", "-1"], "argument --sink: must be >= 0"),
     (["generate", "--prompt", "hi", "--method", "magicpig", "--buffer", "0"], "argument --buffer: must be >= 1"),
     (["generate", "--prompt", "hi", "--method", "nosuch"], "argument --method: invalid choice: 'nosuch'"),
@@ -123,6 +125,12 @@ def test_prompt_files(capsys, tmp_path):
                           f"cannot read prompt file {tmp_path}: Is a directory")
 
 
+def test_study_output_must_be_a_directory(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    assert_one_line_error(run(capsys, "eval", "recall", "--out", str(tmp_path / "file")), 2,
+                          f"--out {tmp_path / 'file'} is a file; give a directory for the study's outputs")
+
+
 def test_convert_onto_an_existing_path_is_refused_before_loading(capsys, tmp_path, monkeypatch):
     write_random_hf_checkpoint(tmp_path / "src", CONFIG)
     (tmp_path / "taken").mkdir()
@@ -149,6 +157,12 @@ def test_flags_are_checked_before_the_model_loads(capsys, monkeypatch):
     monkeypatch.setattr(models, "open_model", lambda *a, **k: pytest.fail("the model was opened"))
     assert_one_line_error(run(capsys, "generate", "--prompt", "hi", "--method", "magicpig", "--set", "L=1"), 2,
                           "MagicPIGConfig.L must be >= 2, got 1")
+
+
+def test_keep_quantized_needs_a_gguf_model(capsys, checkpoint_dir):
+    assert_one_line_error(run(capsys, "generate", "--prompt", "abc", "--model", str(checkpoint_dir),
+                              "--keep-quantized"), 2,
+                          f"--keep-quantized applies to GGUF models; {checkpoint_dir} is a checkpoint model")
 
 
 def test_beyond_the_context_names_the_flags(capsys, checkpoint_dir, monkeypatch):
