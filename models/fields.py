@@ -133,6 +133,12 @@ def check_value(name: str, value, annotation, rule: Rule | None = None, *, owner
     return normalised
 
 
+@functools.cache
+def type_hints(cls) -> dict[str, Any]:
+    """The resolved annotations of a dataclass's fields (cached per class)."""
+    return typing.get_type_hints(cls)
+
+
 def describe(annotation, rule: Rule | None = None) -> str:
     """What a value of ``annotation`` under ``rule`` must be, in words ("an int >= 1 or None")."""
     if isinstance(rule, OneOf):
@@ -145,12 +151,6 @@ def describe(annotation, rule: Rule | None = None) -> str:
 
 class _WrongType(Exception):
     pass
-
-
-@functools.cache
-def type_hints(cls) -> dict[str, Any]:
-    """The resolved annotations of a dataclass's fields (cached per class)."""
-    return typing.get_type_hints(cls)
 
 
 def _union_members(annotation) -> tuple:

@@ -470,6 +470,18 @@ def test_generate_rejects_wrong_types(params, prompts, kwargs, pattern):
     assert isinstance(info.value, ValueError)
 
 
+def test_params_of_another_config_are_refused(params):
+    """They would run (the matmuls take their shapes from the weights) and give wrong tokens."""
+    with pytest.raises(models.ModelError, match=r"params do not match the config: tensor 'layers\.wo': "
+                                                r"expected shape \(2, 8, 8, 32\), found \(2, 4, 8, 32\)"):
+        generate(params, tiny_config(num_heads=8), [[1, 2]], max_new_tokens=1)
+    split = models.unstack_layers(params, CONFIG.num_layers)
+    with pytest.raises(models.ModelError, match=r"tensor 'embed': expected shape \(64, 32\), found \(128, 32\)"):
+        prefill_prompts(split, tiny_config(vocab_size=64), [[1, 2]], capacity=4)
+    with pytest.raises(TypeError, match=r"config must be a ModelConfig, got \{'vocab_size': 3\}"):
+        generate(params, {"vocab_size": 3}, [[1, 2]], max_new_tokens=1)
+
+
 def test_a_flat_list_of_ids_is_one_prompt(params):
     """Documented choice: [5, 6, 7] is the prompt [[5, 6, 7]] (as a 1-D array is), not three prompts."""
     one = generate(params, CONFIG, [[5, 6, 7]], max_new_tokens=2, eos_ids=())
