@@ -521,6 +521,29 @@ def test_memory_check_names_both_sizes(monkeypatch):
     assert [memory.format_bytes(n) for n in (512, 1536, 5 * 2**40)] == ["512 B", "1.5 KiB", "5.0 TiB"]
 
 
+class _FakeGPU:
+    """A device reporting its memory the way JAX's GPU devices do (the CPU device reports None)."""
+
+    platform = "gpu"
+
+    def memory_stats(self):
+        return {"bytes_limit": 10 * 2**30, "bytes_in_use": 4 * 2**30}
+
+    def __str__(self):
+        return "cuda:0"
+
+
+def test_memory_check_on_an_accelerator(monkeypatch):
+    """Device and host memory are separate pools there: each need is checked against its own."""
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 2 * 2**30)
+    memory.check_fits(memory.Need(device=6 * 2**30, host=2 * 2**30, why="x"), devices=[_FakeGPU()])
+    with pytest.raises(memory.RequestTooLargeError, match=r"needs 7.0 GiB of device memory \(x\); 6.0 GiB is free "
+                                                          r"on cuda:0"):
+        memory.check_fits(memory.Need(device=7 * 2**30, host=0, why="x"), devices=[_FakeGPU()])
+    with pytest.raises(memory.RequestTooLargeError, match=r"offloaded KV cache needs 3.0 GiB of host memory"):
+        memory.check_fits(memory.Need(device=2**30, host=3 * 2**30, why="x"), devices=[_FakeGPU()])
+
+
 def test_generate_with_a_prefill_too_small(params):
     prefilled = prefill_prompts(params, CONFIG, [[1, 2, 3]], capacity=4, prefill_chunk=4)
     with pytest.raises(ValueError, match=r"prefilled cache holds 4 positions; this request needs 8"):
