@@ -714,3 +714,18 @@ def test_forward_token_dtype(params):
     with pytest.raises(models.ModelError, match=r"tokens: expected an integer dtype, found float32"):
         models.forward(params, CONFIG, jnp.zeros((1, 3), jnp.float32))
 
+
+
+# --------------------------------------------------------------------------- study inputs
+
+
+@pytest.mark.parametrize("content, pattern", [
+    ("{", r"summaries\.json: not valid JSON"),
+    ('["a"]', r"summaries\.json: expected an object of articles"),
+])
+def test_text_source_that_is_damaged_is_named(tmp_path, content, pattern):
+    from jaxkv.eval import text
+
+    (tmp_path / "summaries.json").write_text(content)
+    with pytest.raises(ValueError, match=pattern):
+        text._read_extracts(tmp_path / "summaries.json")
