@@ -39,7 +39,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse with its errors as one `jaxkv: error:` line (no usage block); subparsers inherit it."""
 
     def error(self, message):
-        self.exit(EXIT_USAGE, f"jaxkv: error: {self.prog.removeprefix('jaxkv ')}: {message} (see --help)\n")
+        command = self.prog.removeprefix("jaxkv").strip()  # "generate", "eval recall"; "" at the top
+        self.exit(EXIT_USAGE, f"jaxkv: error: {command + ': ' if command else ''}{message} (see --help)\n")
 
 
 def _flag_type(annotation, rule=None, *, check=None):

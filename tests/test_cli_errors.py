@@ -83,6 +83,8 @@ def checkpoint_dir(tmp_path_factory):
     (["generate", "--prompt", "hi", "--method", "nosuch"], "argument --method: invalid choice: 'nosuch'"),
     (["generate", "--prompt", "hi", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["generate"], "one of the arguments --prompt --prompt-file is required"),
+    ([], "jaxkv: error: the following arguments are required: command (see --help)"),
+    (["eval", "recall", "--tokens", "0"], "jaxkv: error: eval recall: argument --tokens: must be >= 1, got '0'"),
     (["generate", "--prompt", "  "], "the prompt is empty"),
     (["generate", "--prompt", "hi", "--model", ""], "--model is empty: give a model path"),
     (["generate", "--prompt", "hi", "--model", "no/such/model"], "no model at no/such/model"),
