@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import types
 import typing
 import warnings
 from pathlib import Path
@@ -58,7 +59,6 @@ def _flag_type(annotation, rule=None, *, check=None):
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
         return value
-    parse.__name__ = fields.describe(annotation, rule)  # argparse names the type in some messages
     return parse
 
 
@@ -77,8 +77,8 @@ FRACTION = _flag_type(float, fields.FRACTION)
 
 def _parse_value(text: str, annotation):
     """``text`` read as the type a config field declares: int, float, bool, str, a tuple of ints, unions."""
-    kinds = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, type(int | None)) \
-        else (annotation,)
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = typing.get_args(annotation) if union else (annotation,)
     if type(None) in kinds and text.strip().lower() == "none":
         return None
     for kind in kinds:
