@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 import models
 from jaxkv import native
-from models import row_values, rows_to_store, stored_rows
+from models import fields, row_values, rows_to_store, stored_rows
 from jaxkv.attention import common, dense, registry
 from jaxkv.attention.method import SparseMethod
 from pallas_kernels import dispatch
@@ -53,14 +53,9 @@ class CacheConfig:
     slot_block: int = 2048
 
     def __post_init__(self):
-        for name in ("sink", "local", "buffer", "dense_threshold"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"CacheConfig.{name} must be >= 0, got {value}")
-        if not isinstance(self.slot_block, int) or self.slot_block < 1:
-            raise ValueError(f"CacheConfig.slot_block must be an int >= 1, got {self.slot_block!r}")
-        if self.buffer is not None and self.buffer == 0:
-            raise ValueError("CacheConfig.buffer must be >= 1: the update buffer is how keys reach the index")
+        # buffer >= 1: the update buffer is how keys reach the index.
+        fields.check(self, sink=fields.NON_NEGATIVE, local=fields.NON_NEGATIVE, buffer=fields.at_least(1),
+                     dense_threshold=fields.NON_NEGATIVE, slot_block=fields.at_least(1))
 
     def resolve(self, method_cfg) -> "CacheConfig":
         """Concrete sizes: this config's values, else the defaults of the method of

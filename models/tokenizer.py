@@ -14,6 +14,7 @@ import tokenizers
 from tokenizers import AddedToken, decoders, pre_tokenizers, processors
 
 from models.errors import ModelError, ModelNotFoundError
+from models.files import read_json
 
 _JSON_FORMAT = "jaxkv-tokenizer/1"
 # llama.cpp token types (gguf.TokenType) that are added tokens, matched whole in text.
@@ -82,8 +83,13 @@ class Tokenizer:
         if not isinstance(data, dict) or data.get("format") != _JSON_FORMAT:
             raise ModelError(f"tokenizer JSON: expected format {_JSON_FORMAT!r}, found "
                              f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r}")
-        backend = tokenizers.Tokenizer.from_str(json.dumps(data["tokenizer"]))
-        return cls(backend, chat_template=data["chat_template"], eos_token_ids=tuple(data["eos_token_ids"]),
+        missing = [k for k in ("tokenizer", "chat_template", "eos_token_ids", "bos_token", "eos_token")
+                   if k not in data]
+        if missing:
+            raise ModelError(f"tokenizer JSON: keys {missing} are missing")
+        backend = _backend(lambda: tokenizers.Tokenizer.from_str(json.dumps(data["tokenizer"])), "tokenizer JSON")
+        return cls(backend, chat_template=data["chat_template"],
+                   eos_token_ids=_ids(data["eos_token_ids"], "tokenizer JSON: eos_token_ids"),
                    bos_token=data["bos_token"], eos_token=data["eos_token"])
 
     @classmethod
@@ -92,7 +98,8 @@ class Tokenizer:
         path = pathlib.Path(path)
         if not (path / "tokenizer.json").exists():
             raise ModelNotFoundError(f"no tokenizer.json in {path}")
-        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        backend = _backend(lambda: tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")),
+                           str(path / "tokenizer.json"))
         settings = _read_json(path / "tokenizer_config.json")
         template = settings.get("chat_template")
         if (path / "chat_template.jinja").exists():
@@ -103,7 +110,7 @@ class Tokenizer:
         eos_ids = [backend.token_to_id(eos)] if eos is not None else []
         generation_eos = _read_json(path / "generation_config.json").get("eos_token_id")
         eos_ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
-        eos_ids = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
+        eos_ids = _ids(list(dict.fromkeys(i for i in eos_ids if i is not None)), f"{path}: eos token ids")
         return cls(backend, chat_template=template, eos_token_ids=eos_ids, bos_token=bos, eos_token=eos)
 
     @classmethod
@@ -113,8 +120,16 @@ class Tokenizer:
         if model != "gpt2":
             raise ModelError(f"GGUF key 'tokenizer.ggml.model': only 'gpt2' (byte-level BPE) is supported, "
                              f"found {model!r}")
+        for key, default in (("ggml.tokens", None), ("ggml.merges", [])):
+            value = meta.get(key, default)
+            if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+                raise ModelError(f"GGUF key 'tokenizer.{key}': expected a list of strings")
         tokens = [_to_byte_alphabet(t) for t in meta["ggml.tokens"]]
-        merges = [tuple(m.split(" ")) for m in meta["ggml.merges"]]
+        merges = [tuple(m.split(" ")) for m in meta.get("ggml.merges", [])]
+        for key in ("ggml.bos_token_id", "ggml.eos_token_id", "ggml.eot_token_id"):
+            if meta.get(key) is not None and not (isinstance(meta[key], int) and 0 <= meta[key] < len(tokens)):
+                raise ModelError(f"GGUF key 'tokenizer.{key}': expected a token id in [0, {len(tokens)}), "
+                                 f"found {meta[key]!r}")
         backend = tokenizers.Tokenizer(tokenizers.models.BPE(
             vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
         backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("ggml.pre", "default"))
@@ -193,7 +208,25 @@ def _chatml(messages: list[dict]) -> str:
 
 
 def _read_json(path: pathlib.Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+    """A JSON object file's content; {} when the file is absent."""
+    data = read_json(path) if path.exists() else {}
+    if not isinstance(data, dict):
+        raise ModelError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _backend(build, source: str) -> tokenizers.Tokenizer:
+    """A ``tokenizers`` backend from ``build()``, its parse error (a plain Exception) named by ``source``."""
+    try:
+        return build()
+    except Exception as err:  # tokenizers raises Exception for any malformed definition
+        raise ModelError(f"{source}: not a readable tokenizer definition ({err})") from None
+
+
+def _ids(ids, what: str) -> tuple[int, ...]:
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ModelError(f"{what}: expected a list of token ids, found {ids!r}")
+    return tuple(ids)
 
 
 def _token_text(token) -> str | None:

@@ -79,13 +79,14 @@ def test_tied_checkpoint_may_carry_its_output_copy_and_rotary_buffers(tmp_path):
 
 
 @pytest.mark.parametrize("changes, pattern", [
-    ({"num_key_value_heads": 3}, r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+    ({"num_key_value_heads": 3}, r"config key 'num_attention_heads' \(4\) must be a multiple of "
+                                 r"config key 'num_key_value_heads' \(3\)"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, r"rope_type.*'yarn'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
      r"'llama3'.*\['low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'\] are missing"),
     ({"hidden_act": "gelu"}, r"'hidden_act'.*'gelu'"),
     ({"use_sliding_window": True}, "use_sliding_window"),
-    ({"vocab_size": 0}, r"vocab_size: expected a positive int, found 0"),
+    ({"vocab_size": 0}, r"config key 'vocab_size' must be > 0, got 0"),
 ])
 def test_invalid_config(changes, pattern):
     with pytest.raises(models.ModelError, match=pattern):

@@ -280,7 +280,7 @@ def test_candidate_count_is_static_and_bounded():
 @pytest.mark.parametrize("field, value", [
     ("m", 1), ("m", 9), ("top_k", 0), ("candidate_ratio", 0.0), ("candidate_ratio", 1.5),
     ("collision_ratio", -0.1), ("sink", -1), ("local", -1), ("buffer", -2),
-    ("official_levels", True), ("dense_layers", [0, 16]),
+    ("official_levels", True), ("dense_layers", [0, -1]),  # a list is a tuple; a layer is >= 0
 ])
 def test_invalid_config_raises_naming_the_field(field, value):
     kwargs = {field: value}

@@ -183,7 +183,7 @@ def test_cli_merge_refuses_an_answer_present_in_two_parts(tmp_path, capsys):
     rr.write_json(tmp_path / "a.json", records, {"command": "a"})
     rr.write_json(tmp_path / "b.json", records[-1:], {"command": "b"})
     assert cli.main(["eval", "ruler", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
-                     "--out", str(tmp_path / "merged")]) == 2
+                     "--out", str(tmp_path / "merged")]) == 1  # runtime: the content conflicts
     assert "both hold half's answer to niah_single at 4096" in capsys.readouterr().err
     assert not (tmp_path / "merged").exists()
 
@@ -191,7 +191,7 @@ def test_cli_merge_refuses_an_answer_present_in_two_parts(tmp_path, capsys):
 def test_cli_merge_of_a_file_that_is_not_a_result_is_a_user_error(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text("{}")
-    assert cli.main(["eval", "ruler", "--merge", str(bad), "--out", str(tmp_path)]) == 2
+    assert cli.main(["eval", "ruler", "--merge", str(bad), "--out", str(tmp_path)]) == 1  # runtime: not a result
     assert "has no 'records'" in capsys.readouterr().err
 
 

@@ -219,13 +219,6 @@ def seeded_constant(sampler, seed: int, shape: tuple[int, ...]) -> np.ndarray:
     return drawn
 
 
-def check_non_negative(cfg, *names: str) -> None:
-    """Raise ValueError naming the config field when any of ``names`` is negative (region sizes)."""
-    for name in names:
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"{type(cfg).__name__}.{name} must be >= 0, got {getattr(cfg, name)}")
-
-
 def exact_and_retrieval_split(n: int, sink: int, local: int) -> tuple[int, int]:
     """(retrieval start, retrieval end) for a context of n keys; empty when n ≤ sink+local."""
     if n <= sink + local:

@@ -12,6 +12,7 @@ import models
 from jaxkv import native
 from jaxkv.attention import common
 from pallas_kernels.dispatch import Kernels
+from models import fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +29,11 @@ class DenseConfig:
     kernels: Kernels = Kernels.AUTO
 
     def __post_init__(self):
-        kernels = Kernels.of(self.kernels, "DenseConfig.kernels")
-        if kernels in (Kernels.PALLAS, Kernels.INTERPRET):
-            raise ValueError(f"DenseConfig.kernels={kernels.value!r}: dense attention has no Pallas kernel; "
+        object.__setattr__(self, "kernels", Kernels.of(self.kernels, "DenseConfig.kernels"))
+        fields.check(self)
+        if self.kernels in (Kernels.PALLAS, Kernels.INTERPRET):
+            raise ValueError(f"DenseConfig.kernels={self.kernels.value!r}: dense attention has no Pallas kernel; "
                              f"use 'auto', 'xla' or 'native'")
-        object.__setattr__(self, "kernels", kernels)
 
 
 def native_decode_attention(q, k_all, v_all, q_positions):

@@ -18,6 +18,7 @@ from jaxkv.attention import common, magicpig, pariskv, rsq
 from jaxkv.attention.magicpig import MagicPIGConfig
 from jaxkv.attention.method import SparseMethod
 from jaxkv.attention.pariskv import ParisKVConfig
+from models import fields
 
 
 TAILS = ("regression", "lsh", "none")
@@ -53,21 +54,14 @@ class HybridConfig:
     sink: int = 4
     local: int = 64
     buffer: int = 64
-    dense_layers: tuple = ()
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.tail not in TAILS:
-            raise ValueError(f"HybridConfig.tail must be one of {TAILS}, got {self.tail!r}")
-        if self.pariskv is not None and not isinstance(self.pariskv, ParisKVConfig):
-            raise ValueError(f"HybridConfig.pariskv must be a ParisKVConfig or None, got {self.pariskv!r}")
-        if not isinstance(self.magicpig, MagicPIGConfig):
-            raise ValueError(f"HybridConfig.magicpig must be a MagicPIGConfig, got {self.magicpig!r}")
+        fields.check(self, tail=fields.OneOf(TAILS), sink=fields.NON_NEGATIVE, local=fields.NON_NEGATIVE,
+                     buffer=fields.NON_NEGATIVE, dense_layers=fields.NON_NEGATIVE)
         if self.pariskv is None and self.tail != "lsh":
             raise ValueError(f"HybridConfig: pariskv=None with tail={self.tail!r} has no head to work from; "
                              "give a ParisKVConfig or use tail='lsh' (MagicPIG alone)")
-        common.check_non_negative(self, "sink", "local", "buffer")
-        if isinstance(self.dense_layers, list):
-            object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
 
     def head_config(self) -> ParisKVConfig | None:
         """The head's ParisKV config with the hybrid's regions and dense layers (None: no head)."""

@@ -20,6 +20,7 @@ from jax import lax
 from jaxkv import native
 from jaxkv.attention import common
 from jaxkv.attention.method import Regions, SparseMethod
+from models import fields
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels
 
@@ -92,39 +93,30 @@ class MagicPIGConfig:
     kernels: Kernels = Kernels.AUTO
 
     def __post_init__(self):
+        object.__setattr__(self, "kernels", Kernels.of(self.kernels, "MagicPIGConfig.kernels"))
+        fields.check(self, K=fields.in_range(1, 16), L=fields.at_least(2), sink=fields.NON_NEGATIVE,
+                     local=fields.NON_NEGATIVE, dense_layers=fields.NON_NEGATIVE, min_hits=fields.at_least(1),
+                     seed=fields.SEED)
+
         def bad(field, rule):
             raise ValueError(f"MagicPIGConfig.{field} {rule}, got {getattr(self, field)!r}")
 
-        if not _is_int(self.K) or not 1 <= self.K <= 16:
-            bad("K", "must be an int in 1..16 (codes are packed into uint16)")
-        if not _is_int(self.L) or self.L < 2:
-            bad("L", "must be an int >= 2 (sampling needs hits in several tables)")
         if self.K * self.L > MAX_HASH_BITS:
             bad("L", f"makes K*L = {self.K * self.L} hash bits per key, above {MAX_HASH_BITS}")
         if self.L * (2**self.K + 1) > MAX_BUCKET_STARTS:
             bad("K", f"makes L*(2^K+1) = {self.L * (2**self.K + 1)} bucket starts, above {MAX_BUCKET_STARTS}")
-        if not _is_int(self.min_hits) or not 1 <= self.min_hits <= self.L:
+        if self.min_hits > self.L:
             bad("min_hits", f"must be an int in 1..L={self.L}")
-        for field in ("sink", "local", "seed"):
-            if not _is_int(getattr(self, field)) or getattr(self, field) < 0:
-                bad(field, "must be a non-negative int")
-        if isinstance(self.dense_layers, list):
-            object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
-        if not isinstance(self.dense_layers, tuple) or not all(
-            _is_int(x) and x >= 0 for x in self.dense_layers
-        ):
-            bad("dense_layers", "must be a tuple of non-negative ints")
+        # Fields typed int | float: an int counts entries, a float is relative to the retrieval capacity.
         if not (_is_int(self.capacity) and self.capacity >= 1) and not (
             isinstance(self.capacity, float) and 0 < self.capacity <= 1
         ):
             bad("capacity", "must be an int >= 1 or a float fraction in (0, 1]")
+        # A multiple above L would read more entries than the L tables hold.
         if not (_is_int(self.candidate_capacity) and self.candidate_capacity >= 1) and not (
-            isinstance(self.candidate_capacity, float) and self.candidate_capacity > 0
+            isinstance(self.candidate_capacity, float) and 0 < self.candidate_capacity <= self.L
         ):
-            bad("candidate_capacity", "must be an int >= 1 or a float > 0")
-        if not isinstance(self.center, bool):
-            bad("center", "must be a bool")
-        object.__setattr__(self, "kernels", Kernels.of(self.kernels, "MagicPIGConfig.kernels"))
+            bad("candidate_capacity", f"must be an int >= 1 or a float in (0, L={self.L}]")
 
     def sample_capacity(self, n_keys: int) -> int:
         """Static number of sampled-key slots for a retrieval capacity of n_keys."""

@@ -18,6 +18,7 @@ import numpy as np
 from jaxkv import native
 from jaxkv.attention import common, rsq
 from jaxkv.attention.method import IndexFunctions, KeyRetriever
+from models import fields
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels
 
@@ -54,24 +55,16 @@ class ParisKVConfig:
     collision_ratio: float | None = None  # None: length-adaptive, from the capacity
     official_levels: bool = False  # True: the official m=8 Lloyd–Max table
     seed: int = 0
-    dense_layers: tuple = ()
+    dense_layers: tuple[int, ...] = ()
     kernels: Kernels = Kernels.AUTO
 
     def __post_init__(self):
-        if not 2 <= self.m <= MAX_M:
-            raise ValueError(f"ParisKVConfig.m must be in [2, {MAX_M}], got {self.m}")
-        if self.top_k < 1:
-            raise ValueError(f"ParisKVConfig.top_k must be >= 1, got {self.top_k}")
-        common.check_non_negative(self, "sink", "local", "buffer")
-        for name in ("candidate_ratio", "collision_ratio"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value <= 1:
-                raise ValueError(f"ParisKVConfig.{name} must be in (0, 1] or None, got {value}")
+        object.__setattr__(self, "kernels", Kernels.of(self.kernels, "ParisKVConfig.kernels"))
+        fields.check(self, m=fields.in_range(2, MAX_M), top_k=fields.at_least(1), sink=fields.NON_NEGATIVE,
+                     local=fields.NON_NEGATIVE, buffer=fields.NON_NEGATIVE, candidate_ratio=fields.FRACTION,
+                     collision_ratio=fields.FRACTION, seed=fields.SEED, dense_layers=fields.NON_NEGATIVE)
         if self.official_levels and self.m != 8:
             raise ValueError(f"ParisKVConfig.official_levels needs m=8, got m={self.m}")
-        if not isinstance(self.dense_layers, tuple):
-            raise ValueError(f"ParisKVConfig.dense_layers must be a tuple, got {self.dense_layers!r}")
-        object.__setattr__(self, "kernels", Kernels.of(self.kernels, "ParisKVConfig.kernels"))
         if self.kernels.uses_native() and self.m != 8:
             raise ValueError(f"ParisKVConfig.kernels='native' needs m=8, got m={self.m}")
 

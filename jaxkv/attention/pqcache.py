@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxkv.attention import common, pariskv  # pariskv: shared top-k and row appends
 from jaxkv.attention.method import IndexFunctions, KeyRetriever, Regions
+from models import fields
 
 MAX_CENTROIDS = 256  # codes are uint8
 
@@ -32,13 +33,9 @@ class PQCacheConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("n_sub", "kmeans_iters", "top_k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"PQCacheConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not 1 <= self.n_centroids <= MAX_CENTROIDS:
-            raise ValueError(
-                f"PQCacheConfig.n_centroids must be in [1, {MAX_CENTROIDS}], got {self.n_centroids}")
-        common.check_non_negative(self, "sink", "local")
+        fields.check(self, n_sub=fields.at_least(1), n_centroids=fields.in_range(1, MAX_CENTROIDS),
+                     kmeans_iters=fields.at_least(1), top_k=fields.at_least(1), sink=fields.NON_NEGATIVE,
+                     local=fields.NON_NEGATIVE, seed=fields.SEED)
 
 
 @jax.tree_util.register_dataclass

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxkv.attention import common
 from jaxkv.attention.common import Selection
 from jaxkv.attention.method import IndexFunctions, KeyRetriever
+from models import fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +27,8 @@ class TopKConfig:
     dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.top_k < 1:
-            raise ValueError(f"TopKConfig.top_k must be >= 1, got {self.top_k}")
-        common.check_non_negative(self, "sink", "local", "buffer")
+        fields.check(self, top_k=fields.at_least(1), sink=fields.NON_NEGATIVE, local=fields.NON_NEGATIVE,
+                     buffer=fields.NON_NEGATIVE, dense_layers=fields.NON_NEGATIVE)
 
 
 @jax.tree_util.register_dataclass

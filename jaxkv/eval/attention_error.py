@@ -30,6 +30,7 @@ import numpy as np
 from jaxkv import plots
 from jaxkv.attention import magicpig, oracles
 from jaxkv.eval import decode_view
+from models import files
 
 BUDGETS = (0.01, 0.02, 0.04, 0.08, 0.16)
 # (K, L): the official K10L150 / K10L170 / K11L300 plus cheaper tables that read more.
@@ -179,7 +180,8 @@ def plot(rows, path: Path, title: str):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with files.atomic_file(path) as staging:
+        fig.savefig(staging, dpi=120)
     plt.close(fig)
 
 
@@ -207,12 +209,21 @@ def _magicpig_settings(text: str | None) -> tuple[tuple[int, int], ...]:
     return settings
 
 
+def check_args(args) -> None:
+    """The flags checked before any model is loaded (ValueError naming the flag)."""
+    from jaxkv.eval import recall
+
+    _budgets(args.budgets)
+    _magicpig_settings(args.magicpig)
+    recall.check_args(args)
+
+
 def main(args) -> int:
     plots.require()  # before the work: the figure is its last output
     from jaxkv.eval import capture as capture_mod
     from jaxkv.eval import recall
 
-    budgets, settings = _budgets(args.budgets), _magicpig_settings(args.magicpig)  # bad flags fail first
+    budgets, settings = _budgets(args.budgets), _magicpig_settings(args.magicpig)
     t0 = time.time()
     captured, layers = recall.select_layers(capture_mod.load_or_capture(args), args.layers)
     n_tokens = captured.keys.shape[2]
@@ -222,8 +233,8 @@ def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
-    (out / "table.md").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps({
+    files.write_text(out / "table.md", table + "\n")
+    files.write_text(out / "results.json", json.dumps({
         "command": (f"jaxkv eval attention-error --tokens {args.tokens} --queries {args.queries} --seed {args.seed}"
                     + "".join(f" --{flag} {getattr(args, flag)}" for flag in ("layers", "budgets", "magicpig")
                               if getattr(args, flag))),

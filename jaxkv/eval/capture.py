@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import zipfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import models
+from models import files
 
 
 @dataclasses.dataclass
@@ -82,20 +84,94 @@ def load_or_capture(args) -> Captured:
     with the model at ``args.model`` (default: the embedded SmolLM2) and, when a
     cache path is given, write them there (atomically) for the next study.
     """
-    import dataclasses as dc
     from pathlib import Path
 
     from jaxkv.eval import text
 
     cache = Path(args.capture_cache) if getattr(args, "capture_cache", None) else None
     if cache is not None and cache.exists():
-        with np.load(cache) as z:
-            return Captured(**{name: z[name] for name in z.files})
+        return read_capture(cache)
     config, params, tokenizer = models.load(Path(args.model) if args.model else models.default_model_path())
     _, ids = text.long_text(tokenizer, args.tokens, seed=args.seed)
     captured = capture(params, config, list(ids)[: args.tokens], n_queries=args.queries)
     if cache is not None:
-        tmp = cache.with_suffix(".partial.npz")
-        np.savez(tmp, **dc.asdict(captured))
-        tmp.replace(cache)
+        write_capture(cache, captured)
     return captured
+
+
+def write_capture(path, captured: Captured) -> None:
+    """Write ``captured`` to the .npz file ``path``, whole or not at all."""
+    with files.atomic_file(path) as staging, open(staging, "wb") as f:
+        np.savez(f, **dataclasses.asdict(captured))
+
+
+def read_capture(path) -> Captured:
+    """A capture written by :func:`write_capture`, its arrays' names, shapes and values checked.
+
+    Raises:
+        ValueError: naming the file and what is wrong (not an .npz file, truncated, other arrays,
+            inconsistent shapes, non-finite values).
+    """
+    expected = [f.name for f in dataclasses.fields(Captured)]
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if sorted(z.files) != sorted(expected):
+                raise ValueError(f"{path}: a capture cache holds the arrays {expected}, this file {sorted(z.files)}")
+            arrays = {name: z[name] for name in expected}
+    except (OSError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(f"{path}: not a readable capture cache, truncated or not an .npz file ({err})") from None
+    problem = _capture_problem(**arrays)
+    if problem:
+        raise ValueError(f"{path}: {problem}; delete it to capture again")
+    return Captured(**arrays)
+
+
+def _capture_problem(keys, values, queries, query_positions) -> str | None:
+    """What makes these arrays not a capture (shapes as :class:`Captured` documents), or None."""
+    if keys.ndim != 4 or values.shape != keys.shape:
+        return f"keys {keys.shape} and values {values.shape} must both be [layers, KV heads, tokens, head dim]"
+    layers, heads, n, dim = keys.shape
+    if queries.ndim != 5 or queries.shape[:2] != (layers, heads) or queries.shape[4] != dim:
+        return f"queries {queries.shape} must be [{layers}, {heads}, G, Q, {dim}] to match the keys"
+    if query_positions.shape != (queries.shape[3],) or not np.issubdtype(query_positions.dtype, np.integer):
+        return f"query_positions {query_positions.shape} {query_positions.dtype} must be {queries.shape[3]} ints"
+    if query_positions.size and not (0 <= query_positions.min() and query_positions.max() < n
+                                     and np.all(np.diff(query_positions) > 0)):
+        return f"query_positions must increase within [0, {n})"
+    for name, array in (("keys", keys), ("values", values), ("queries", queries)):
+        if not np.issubdtype(array.dtype, np.floating) or not np.isfinite(array).all():
+            return f"{name} must be finite floats"
+    return None
+
+
+def parse_layers(text: str | None, flag: str = "--layers") -> list[int] | None:
+    """The layer numbers of a comma-separated flag value; None for no value or 'all' (every layer).
+
+    Raises:
+        ValueError: naming the flag, when the value is not such a list.
+    """
+    if text is None or text.strip() == "all":
+        return None
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        layers = []
+    if not layers or min(layers) < 0:
+        raise ValueError(f"{flag} must be 'all' or comma-separated layer numbers >= 0, got {text!r}")
+    return layers
+
+
+def check_layers(layers: list[int] | None, num_layers: int, flag: str = "--layers") -> list[int]:
+    """``layers`` (None: every layer) checked against a capture of ``num_layers`` layers."""
+    if layers is None:
+        return list(range(num_layers))
+    bad = [x for x in layers if x >= num_layers]
+    if bad:
+        raise ValueError(f"{flag} {bad} out of range: the capture has {num_layers} layers")
+    return layers
+
+
+def check_sizes(tokens: int, queries: int) -> None:
+    """--queries (scored positions) must fit in --tokens (the context)."""
+    if queries > tokens:
+        raise ValueError(f"--queries {queries} must be at most --tokens {tokens}")

@@ -31,7 +31,9 @@ import jax
 import numpy as np
 
 from jaxkv import plots
+from jaxkv.eval import capture as capture_mod
 from jaxkv.eval import recall
+from models import files
 
 def at_capacity(indexes: recall.Indexes, n: int) -> recall.Indexes:
     """The indexes of one KV head cut to capacity n (n = their valid rows, static)."""
@@ -162,8 +164,22 @@ def plot(result: dict, path: Path, title: str):
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with files.atomic_file(path) as staging:
+        fig.savefig(staging, dpi=120)
     plt.close(fig)
+
+
+def check_args(args) -> None:
+    """The flags checked before any model is loaded (ValueError naming the flag)."""
+    capture_mod.parse_layers(args.layers)
+    if args.prefill >= args.tokens:
+        raise ValueError(f"--prefill {args.prefill} must be below --tokens {args.tokens}")
+    checkpoint_steps(args.tokens, args.prefill, args.step, args.queries_per_step)
+    methods = recall.default_methods(args.top_k)
+    pool = args.prefill - methods.local - methods.sink
+    if pool < methods.k:
+        raise ValueError(f"--prefill {args.prefill} leaves a pool of {pool} keys after sink {methods.sink} + "
+                         f"local {methods.local}, fewer than --top-k {methods.k}")
 
 
 def main(args) -> int:

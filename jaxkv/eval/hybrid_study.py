@@ -39,6 +39,7 @@ from jaxkv import plots
 from jaxkv.attention import hybrid, magicpig, oracles, pariskv
 from jaxkv.eval import attention_error, decode_view
 from jaxkv.eval import capture as capture_mod
+from models import files
 
 BUDGETS = (0.02, 0.04, 0.08)
 SINK, LOCAL = 4, 64
@@ -345,18 +346,16 @@ def plot(results, runs, path: Path, title: str):
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with files.atomic_file(path) as staging:
+        fig.savefig(staging, dpi=120)
     plt.close(fig)
 
 
-def _layer_list(text: str, num_layers: int, flag: str) -> list[int]:
-    if text == "all":
-        return list(range(num_layers))
-    layers = [int(x) for x in text.split(",") if x.strip()]
-    bad = [l for l in layers if not 0 <= l < num_layers]
-    if bad or not layers:
-        raise ValueError(f"{flag} {text!r}: layers must be 'all' or a list in 0..{num_layers - 1}")
-    return layers
+def check_args(args) -> None:
+    """The flags checked before any model is loaded (ValueError naming the flag)."""
+    capture_mod.parse_layers(args.sweep_layers, "--sweep-layers")
+    capture_mod.parse_layers(args.layers, "--layers")
+    capture_mod.check_sizes(args.tokens, args.queries)
 
 
 def main(args) -> int:
@@ -364,22 +363,24 @@ def main(args) -> int:
     t0 = time.time()
     captured = capture_mod.load_or_capture(args)
     n = captured.keys.shape[2]
-    sweep_layers = _layer_list(args.sweep_layers, captured.num_layers, "--sweep-layers")
-    final_layers = _layer_list(args.layers, captured.num_layers, "--layers")
+    sweep_layers = capture_mod.check_layers(capture_mod.parse_layers(args.sweep_layers, "--sweep-layers"),
+                                            captured.num_layers, "--sweep-layers")
+    final_layers = capture_mod.check_layers(capture_mod.parse_layers(args.layers, "--layers"),
+                                            captured.num_layers, "--layers")
     print(f"{captured.num_layers} layers × {captured.keys.shape[1]} KV heads, {n} tokens, "
           f"{captured.queries.shape[3]} queries ({time.time() - t0:.0f} s)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = sweep(captured, sweep_layers, seed=args.seed)
     best = best_per_budget(runs, n, captured.queries.shape[3])
-    (out / "sweep.json").write_text(json.dumps([
+    files.write_text(out / "sweep.json", json.dumps([
         {"method": m, "setting": _setting(m, c), "keys_read_fraction": f, "error": e,
          "retrieval_rows_read": g} for m, c, f, e, g in runs], indent=2))
     results = final(captured, best, final_layers, seed=args.seed)
     reads = hybrid_reads(captured, best, sweep_layers, seed=args.seed)
     table = markdown(results, reads)
-    (out / "table.md").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps({
+    files.write_text(out / "table.md", table + "\n")
+    files.write_text(out / "results.json", json.dumps({
         "command": (f"jaxkv eval hybrid --tokens {args.tokens} --queries {args.queries} "
                     f"--sweep-layers {args.sweep_layers} --layers {args.layers} --seed {args.seed}"),
         "context_tokens": n, "sweep_layers": sweep_layers, "final_layers": final_layers,

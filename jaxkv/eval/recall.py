@@ -50,6 +50,7 @@ from jaxkv.attention import common, magicpig, pariskv, pqcache
 from jaxkv.attention.method import SparseMethod
 from jaxkv.eval import capture as capture_mod
 from jaxkv.eval import decode_view
+from models import files
 
 SINK, LOCAL = 4, 512  # ParisKV's defaults, used by every method so the pools coincide
 FOUND_SETS = ("pariskv", "pariskv_candidates", "pariskv_votes", "pqcache", "magicpig")
@@ -280,16 +281,19 @@ def restrict(captured, n_tokens: int, n_queries: int):
 
 def select_layers(captured, layers: str | None):
     """The capture restricted to a comma-separated list of layers (None: all), and their numbers."""
-    from jaxkv.eval.capture import Captured
+    from jaxkv.eval.capture import Captured, check_layers, parse_layers
 
-    if layers is None:
-        return captured, list(range(captured.num_layers))
-    chosen = [int(x) for x in layers.split(",")]
-    bad = [x for x in chosen if not 0 <= x < captured.num_layers]
-    if bad:
-        raise ValueError(f"--layers {bad} out of range: the capture has {captured.num_layers} layers")
+    chosen = check_layers(parse_layers(layers), captured.num_layers)
+    if chosen == list(range(captured.num_layers)):
+        return captured, chosen
     return Captured(keys=captured.keys[chosen], values=captured.values[chosen], queries=captured.queries[chosen],
                     query_positions=captured.query_positions), chosen
+
+
+def check_args(args) -> None:
+    """The flags checked before any model is loaded (ValueError naming the flag)."""
+    capture_mod.parse_layers(args.layers)
+    capture_mod.check_sizes(args.tokens, args.queries)
 
 
 def load_capture(args, n_tokens: int, n_queries: int):
@@ -403,7 +407,8 @@ def plot(result: dict, path: Path, title: str):
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with files.atomic_file(path) as staging:
+        fig.savefig(staging, dpi=120)
     plt.close(fig)
 
 
@@ -411,9 +416,7 @@ def write_outputs(out: Path, result: dict, table: str, plot_fn) -> None:
     """results.json, table.md and the plot under out; each file written whole or not at all."""
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("results.json", json.dumps(result, indent=2)), ("table.md", table + "\n")):
-        tmp = out / f".{name}.partial"
-        tmp.write_text(text)
-        tmp.replace(out / name)
+        files.write_text(out / name, text)
     plot_fn(out)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +35,7 @@ import numpy as np
 from jaxkv import cache as kvcache
 from jaxkv.attention import hybrid, magicpig, pariskv, topk
 from jaxkv.eval import ruler
+from models import fields, files
 
 DENSE = "dense"
 QUICK_LENGTHS = (2048,)
@@ -318,19 +318,33 @@ def write_json(path: Path, records: Sequence[Record], meta: dict) -> None:
     """Write {meta, records, summary} atomically (a crash leaves the previous file intact)."""
     payload = {**meta, "records": [dataclasses.asdict(r) for r in records],
                "summary": [dataclasses.asdict(c) for c in summarize(records)]}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, path)
+    files.write_text(path, json.dumps(payload, indent=1))
 
 
 def load_records(path: Path) -> tuple[dict, list[Record]]:
-    """(meta, records) of a JSON file written by write_json."""
-    payload = json.loads(Path(path).read_text())
-    if "records" not in payload:
-        raise ValueError(f"{path} has no 'records': not a ruler runner result")
-    records = [Record(**{**r, "references": tuple(r["references"])}) for r in payload["records"]]
+    """(meta, records) of a JSON file written by write_json, every record's fields checked.
+
+    Raises:
+        ValueError: naming the file (and the record) when it is not such a file.
+    """
+    payload = files.read_json(path)
+    if not isinstance(payload, dict) or not isinstance(payload.get("records"), list):
+        raise ValueError(f"{path} has no 'records' list: not a ruler runner result")
+    records = [_record(path, i, r) for i, r in enumerate(payload["records"])]
     meta = {k: v for k, v in payload.items() if k not in ("records", "summary")}
     return meta, records
+
+
+def _record(path: Path, i: int, data) -> Record:
+    names = [f.name for f in dataclasses.fields(Record)]
+    if not isinstance(data, dict) or sorted(data) != sorted(names):
+        raise ValueError(f"{path}: record {i} is not a ruler record (expected the keys {names})")
+    try:
+        record = Record(**data)
+        fields.check(record, length=fields.at_least(1), score=fields.in_range(0, 1))
+    except ValueError as err:
+        raise ValueError(f"{path}: record {i}: {err}") from None
+    return record
 
 
 def merge_records(parts: Sequence[Sequence[Record]], names: Sequence[str]) -> list[Record]:
@@ -420,7 +434,7 @@ def _write_outputs(out: Path, stem: str, records: Sequence[Record], meta: dict) 
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / f"{stem}.json", records, meta)
     table = markdown(summarize(records), method_order(records))
-    (out / f"{stem}.md").write_text(f"Command: `{meta['command']}`\n\n{table}\n")
+    files.write_text(out / f"{stem}.md", f"Command: `{meta['command']}`\n\n{table}\n")
     return table
 
 
@@ -445,6 +459,19 @@ def resume(path: Path, meta: dict, methods: Sequence[MethodSpec],
     meta["resumed_after_seconds"] = old_meta.get("seconds")
     return ([r for r in old_records if r.example in done],
             [e for e in examples if example_key(e) not in done])
+
+
+def check_args(args) -> None:
+    """The flags checked before any model is loaded (ValueError naming the flag)."""
+    if args.merge:
+        missing = [p for p in args.merge if not Path(p).is_file()]
+        if missing:
+            raise ValueError(f"--merge: no file {missing[0]}")
+        return
+    if not args.quick:
+        _parse_lengths(args.lengths)
+    _parse_tasks(args.tasks)
+    _select(default_methods(top_k=args.top_k), args.methods)
 
 
 def main(args) -> int:

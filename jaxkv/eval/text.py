@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import os
 import pathlib
 import re
 from collections.abc import Iterator
 
 import numpy as np
+
+from models import files
 
 SOURCES = ("wikipedia", "pydoc")
 
@@ -51,9 +52,10 @@ def _wikipedia_path() -> pathlib.Path:
 @functools.cache
 def _read_extracts(path: pathlib.Path) -> tuple[str, ...]:
     # Cached per path: the 6.5 MB JSON is read-only packaged data, parsed once per process.
-    with open(path, encoding="utf-8") as f:
-        articles = json.load(f)
-    extracts = (article.get("extract", "").strip() for article in articles.values())
+    articles = files.read_json(path)
+    if not isinstance(articles, dict) or not all(isinstance(a, dict) for a in articles.values()):
+        raise ValueError(f"{path}: expected an object of articles, each an object with an 'extract'")
+    extracts = (str(article.get("extract", "")).strip() for article in articles.values())
     return tuple(extract for extract in extracts if extract)
 
 
