@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-notebooks test-docs test-slow clean
+.PHONY: demo test test-notebooks test-docs test-slow install-llamacpp clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test-docs: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# llama.cpp for benchmarks/bench_llamacpp.py (the `bench` extra), compiled from source with
+# this CPU's instruction set: about 10 minutes on 2 cores.
+install-llamacpp: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install --no-binary llama-cpp-python -e ".[bench]"
 
 clean:
 	rm -rf $(VENV)
