@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import typing
@@ -77,23 +78,66 @@ def _read_prompt(args) -> str:
     return text
 
 
-def cmd_generate(args) -> int:
+def _method_configs(args, method: str, overrides: list[str]):
+    """(method config, cache config) of `method` from the flags; `overrides` the --set items it takes."""
     from jaxkv import cache as kvcache
     from jaxkv.attention.dense import DenseConfig
+
+    if method == "dense":
+        return (config_with_overrides(DenseConfig, overrides) if overrides else None), None
+    return config_with_overrides(kvcache.method_config_class(method), overrides), kvcache.CacheConfig(
+        sink=args.sink, local=args.local, buffer=args.buffer,
+        dense_threshold=0 if args.no_dense_fallback else None, offload=not args.on_device)
+
+
+def _compare_with_dense(args, config, params, tokenizer, ids: list[int]) -> int:
+    """--compare: dense and args.compare decode from one prefill; print each answer, its decode
+    rate and the fraction of keys it read. Each method is called twice with the same arguments:
+    the first call compiles, the second is the one reported (a steady decode rate)."""
+    import models
+    from jaxkv import cache as kvcache
+    from jaxkv.attention.dense import DenseConfig
+    from jaxkv.generate import generate, prefill_prompts
+
+    if args.method != "dense":
+        raise UserError(f"--compare runs dense beside {args.compare}: drop --method {args.method}")
+    # Each --set goes to the methods whose config has that field (kernels=native: both).
+    fields = {method: {f.name for f in dataclasses.fields(cls)} for method, cls in
+              (("dense", DenseConfig), (args.compare, kvcache.method_config_class(args.compare)))}
+    unknown = [item for item in args.set if all(item.partition("=")[0] not in f for f in fields.values())]
+    if unknown:
+        raise UserError(f"--set {unknown[0]}: neither dense nor {args.compare} has that field")
+    params = models.unstack_layers(params, config.num_layers)  # split once for every call below
+    prefilled = prefill_prompts(params, config, [ids], capacity=len(ids) + args.max_new_tokens)
+    print(f"prompt {len(ids)} tokens, prefilled once: {len(ids) / prefilled.seconds:.1f} tok/s "
+          f"({prefilled.seconds:.2f} s, compile included)", file=sys.stderr)
+    for method in ("dense", args.compare):
+        method_config, cache_config = _method_configs(
+            args, method, [item for item in args.set if item.partition("=")[0] in fields[method]])
+        call = functools.partial(
+            generate, params, config, None, prefilled=prefilled, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=method,
+            method_config=method_config, cache_config=cache_config, allow_beyond_context=args.allow_beyond_context,
+            eos_ids=() if args.ignore_eos else None)
+        first, result = call(), call()
+        read = result.keys_read_fraction[0] if result.keys_read_fraction else 1.0
+        print(f"[{method}] {tokenizer.decode(result.tokens[0]).strip()}")
+        print(f"[{method}] {len(result.tokens[0])} tokens, decode {result.decode_tokens_per_second:.1f} tok/s "
+              f"(first call {first.decode_seconds:.2f} s with compile, this one {result.decode_seconds:.2f} s), "
+              f"read {read:.1%} of the keys", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args) -> int:
     from jaxkv.generate import generate
 
     text = _read_prompt(args)
     config, params, tokenizer = _load_model(args.model, args.keep_quantized)
     prompt = tokenizer.apply_chat_template(text) if args.chat else text
     ids = tokenizer.encode(prompt)
-    cache_config = None
-    if args.method == "dense":
-        method_config = config_with_overrides(DenseConfig, args.set) if args.set else None
-    else:
-        method_config = config_with_overrides(kvcache.method_config_class(args.method), args.set)
-        cache_config = kvcache.CacheConfig(
-            sink=args.sink, local=args.local, buffer=args.buffer,
-            dense_threshold=0 if args.no_dense_fallback else None, offload=not args.on_device)
+    if args.compare:
+        return _compare_with_dense(args, config, params, tokenizer, ids)
+    method_config, cache_config = _method_configs(args, args.method, args.set)
     result = generate(
         params, config, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.method,
@@ -154,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--method", default="dense",
                      choices=["dense", "magicpig", "pariskv", "topk", "pqcache", "hybrid"])
+    gen.add_argument("--compare", choices=["magicpig", "pariskv", "topk", "pqcache", "hybrid"], metavar="METHOD",
+                     help="prefill once, then decode with dense and with METHOD; print both answers, their "
+                          "decode rates (compile apart) and the fraction of keys each read (each --set goes "
+                          "to the methods that have the field: kernels=native to both)")
     gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a method parameter, e.g. --set top_k=2048 (repeatable)")
     gen.add_argument("--sink", type=int, help="sink tokens (default: the method's)")
