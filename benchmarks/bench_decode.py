@@ -130,6 +130,18 @@ def timed_prefill(params, config, ids: list[int], capacity: int, chunk: int = 51
     return jaxkv.prefill_prompts(params, config, [ids], capacity=capacity, prefill_chunk=chunk)
 
 
+def with_kv_dtype(prefilled, dtype):
+    """The same prefill with its KV cache rounded to `dtype`, stored as a cache of that dtype is
+    (generate() then decodes with a cache of that dtype; the prefill's own attention was not)."""
+    import models
+
+    def cast(x):
+        return models.stored_rows(models.row_values(x).astype(dtype))
+
+    staging = dataclasses.replace(prefilled.staging, k=cast(prefilled.staging.k), v=cast(prefilled.staging.v))
+    return dataclasses.replace(prefilled, staging=staging)
+
+
 def jaxkv_decoder(params, config, prefilled, method: str, method_config, new_tokens: int) -> Callable[[], Decoded]:
     """A call decoding `new_tokens` greedy tokens from `prefilled` with one method (the dense
     fallback off, positions past the model's window allowed)."""

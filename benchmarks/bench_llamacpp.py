@@ -13,7 +13,9 @@ kernels share, has one thread per core). Rows:
   type (f16), flash attention off (llama-cpp-python's default) and on;
 - jaxkv dense, XLA and native kernels, weights dequantised to float32 and kept in their Q4_1
   blocks; ParisKV, MagicPIG (XLA and native kernels) and the hybrid (XLA) on the kept blocks
-  (``--sparse-weights``), the dense fallback off, default settings.
+  (``--sparse-weights``), the dense fallback off, default settings; and the rows of
+  ``--bf16-kv`` (the native dense and ParisKV) again with their KV cache in bfloat16, the
+  bytes a token of llama.cpp's f16 cache takes (the prefill's cache rounded to bfloat16).
 
 Per context each engine configuration prefills the prompt once, timed after an untimed
 warm-up (prefill tok/s); the prefills alternate between engines. Then every row decodes
@@ -40,7 +42,7 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 import bench_decode
 import llamacpp_engine
@@ -94,8 +96,8 @@ def target_ratios(rows: list[dict]) -> list[dict]:
         jaxkv = [r for r in here if r["engine"] == "jaxkv"]
         sparse = [r for r in jaxkv if r["method"] != "dense"]
         xla_sparse = _best([r for r in sparse if r["kernels"] == "xla"], "decode_tok_s")
-        xla_dense = [r for r in jaxkv if r["method"] == "dense" and r["kernels"] == "xla"
-                     and xla_sparse is not None and r["weights"] == xla_sparse["weights"]]
+        xla_dense = [r for r in jaxkv if r["method"] == "dense" and r["kernels"] == "xla" and xla_sparse is not None
+                     and (r["weights"], r.get("kv")) == (xla_sparse["weights"], xla_sparse.get("kv"))]
         pairs = {
             "decode: best jaxkv sparse / best llama.cpp": (_best(sparse, "decode_tok_s"), _best(llama, "decode_tok_s"), "decode_tok_s"),
             "decode: best jaxkv dense / best llama.cpp": (_best([r for r in jaxkv if r["method"] == "dense"], "decode_tok_s"),
@@ -119,7 +121,8 @@ def row_label(row: dict) -> str:
     """A row's name in the tables: engine, method and kernels, weights."""
     if row["engine"] == "llama.cpp":
         return "llama.cpp, flash attention " + ("on" if row["flash_attn"] else "off")
-    return f"jaxkv {row['method']} ({row['kernels']}, {WEIGHT_LABELS[row['weights']]})"
+    kv = ", KV bf16" if row.get("kv") == "bf16" else ""
+    return f"jaxkv {row['method']} ({row['kernels']}, {WEIGHT_LABELS[row['weights']]}{kv})"
 
 
 def cpu_description() -> dict:
@@ -255,10 +258,14 @@ def run_context(n: int, args, weight_sets: dict, config, tokenizer, rows: list[d
         print(f"context {n} prefill {engine} {which}: {n / prefill_s[engine, which]:.1f} tok/s", flush=True)
 
     llama_runs = [{("llama.cpp", fa): lambda e=engines[fa]: e.decode(args.new_tokens)} for fa in flash]
-    jaxkv_runs = [{("jaxkv", weights, name): bench_decode.jaxkv_decoder(
-        weight_sets[weights], config, prefilled[weights], method, mcfg, args.new_tokens)
+    caches = {(weights, "f32"): prefilled[weights] for weights in dense_weights}
+    if args.bf16_kv and sparse_weights:
+        caches[sparse_weights[0], "bf16"] = bench_decode.with_kv_dtype(prefilled[sparse_weights[0]], jnp.bfloat16)
+    jaxkv_runs = [{("jaxkv", weights, name, kv): bench_decode.jaxkv_decoder(
+        weight_sets[weights], config, cache, method, mcfg, args.new_tokens)
         for name, (method, mcfg) in jaxkv_rows(args.methods).items()
-        if method == "dense" or weights in sparse_weights} for weights in dense_weights]
+        if (method == "dense" or weights in sparse_weights) and (kv == "f32" or name in args.bf16_kv)}
+        for (weights, kv), cache in caches.items()]
     # In each round: a llama.cpp setting, then one weight set's jaxkv rows, and so on.
     runs = {}
     for group in itertools.chain.from_iterable(itertools.zip_longest(llama_runs, jaxkv_runs, fillvalue={})):
@@ -272,14 +279,15 @@ def run_context(n: int, args, weight_sets: dict, config, tokenizer, rows: list[d
                "rounds_tok_s": turns.speeds[run], "keys_read_fraction": out.keys_read,
                "index_seconds": out.index_seconds, "load_averages": turns.loads, "tokens": out.tokens}
         if engine == "llama.cpp":
-            row.update(method="dense", kernels="llama.cpp", weights="gguf", flash_attn=run[1],
+            row.update(method="dense", kernels="llama.cpp", weights="gguf", kv="f16", flash_attn=run[1],
                        prefill_tok_s=n / prefill_s[engine, run[1]], prefill_load_average=prefill_load[engine, run[1]])
         else:
-            _, weights, name = run
+            _, weights, name, kv = run
+            dense = turns.last.get(("jaxkv", weights, "dense", kv))
             row.update(method=name.removesuffix("-native"), kernels="native" if name.endswith("-native") else "xla",
-                       weights=weights, prefill_tok_s=n / prefill_s[engine, weights],
+                       weights=weights, kv=kv, prefill_tok_s=n / prefill_s[engine, weights],
                        prefill_load_average=prefill_load[engine, weights],
-                       same_tokens_as_dense=out.tokens == turns.last["jaxkv", weights, "dense"].tokens)
+                       same_tokens_as_dense=None if dense is None else out.tokens == dense.tokens)
         new_rows.append(row)
     for row in new_rows:
         if row["engine"] == "llama.cpp" and not beyond:
@@ -306,6 +314,9 @@ def main(argv=None):
     parser.add_argument("--methods", nargs="+",
                         help="jaxkv rows to run (default: all): dense, magicpig, pariskv, hybrid and, where this CPU "
                              "has the kernels, dense-native, magicpig-native, pariskv-native")
+    parser.add_argument("--bf16-kv", nargs="*", default=["dense-native", "pariskv-native"],
+                        help="jaxkv rows that also run with their KV cache in bfloat16 (the prefill's cache rounded), "
+                             "on the first of --sparse-weights: llama.cpp's f16 cache holds as many bytes")
     parser.add_argument("--all-rows-up-to", type=int, default=8192,
                         help="longer contexts leave out the float32 rows and run llama.cpp in its faster "
                              "flash-attention setting only")
@@ -321,6 +332,7 @@ def main(argv=None):
     reason = llamacpp_engine.unavailable_reason()
     if reason:
         parser.error(reason)
+    jaxkv_rows(args.bf16_kv)  # names checked before anything runs
 
     weight_sets = {}
     for weights in dict.fromkeys(args.weights):
