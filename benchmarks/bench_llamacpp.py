@@ -27,6 +27,11 @@ prompt plus new tokens pass the model's 8,192-token window run anyway (jaxkv's
 ``allow_beyond_context``; llama.cpp warns "n_ctx_seq > n_ctx_train") and are timed only.
 Within the window, the first 16 greedy tokens of llama.cpp and jaxkv dense are compared.
 
+What bounds each row is measured beside it: the bytes a decode step reads at least (every
+weight once, K and V of the keys it reads) against the read bandwidth, and the prefill's
+weight and attention products per second against XLA's float32 matmul rate, both rates
+measured before and after the run.
+
 Writes ``bench_llamacpp.json``, ``bench_llamacpp.md`` (the tables) and
 ``decode_vs_context.png`` under ``--out``, and prints the tables: rows, and the targets
 (each ratio of one run; see docs/results/llamacpp.md).
@@ -117,6 +122,46 @@ def target_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def kv_bytes_per_position(config, itemsize: int) -> int:
+    """Bytes of K and V one position holds over every layer."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+
+
+def decode_bytes_per_token(weight_bytes: int, config, context: int, itemsize: int, keys_read: float) -> float:
+    """Bytes a decode step reads at least: every weight once, and K and V of the keys it reads
+    (a sparse method's index not counted) at the decode's middle position."""
+    return weight_bytes + keys_read * context * kv_bytes_per_position(config, itemsize)
+
+
+def prefill_flops_per_token(config, context: int) -> float:
+    """Multiply-adds ×2 per prompt token, averaged over a causal prefill of `context` tokens: the
+    layers' weight products and attention's two products over the positions before each token
+    (the embedding lookup and the final logits excluded)."""
+    d, hd, hq, hkv, f = (config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
+                         config.intermediate_size)
+    weights = d * (hq + 2 * hkv) * hd + hq * hd * d + 3 * d * f
+    attention = 2 * hq * hd * (context + 1) / 2
+    return 2 * config.num_layers * (weights + attention)
+
+
+def machine_rates() -> dict:
+    """This machine's read bandwidth (bench_attention.memory_bandwidth) and XLA's float32 matmul
+    rate (2048², both cores), measured now: the references of the bytes and FLOP floors."""
+    import time
+
+    from bench_attention import memory_bandwidth
+
+    a = jnp.ones((2048, 2048), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, a).block_until_ready()
+    seconds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        seconds.append(time.perf_counter() - t0)
+    return {**memory_bandwidth(5), "matmul_flops": 2 * 2048 ** 3 / min(seconds)}
+
+
 def row_label(row: dict) -> str:
     """A row's name in the tables: engine, method and kernels, weights."""
     if row["engine"] == "llama.cpp":
@@ -142,24 +187,29 @@ def cpu_description() -> dict:
     return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
 
 
-def tables(rows: list[dict], ratios: list[dict], window: int) -> str:
-    """The rows and the targets as markdown tables."""
+def tables(rows: list[dict], ratios: list[dict], window: int, rates: dict) -> str:
+    """The rows and the targets as markdown tables; `rates` is :func:`machine_rates`' (before the run)."""
     best_llama = {}
     for r in rows:
         if r["engine"] == "llama.cpp":
             best_llama[r["context"]] = max(best_llama.get(r["context"], 0.0), r["decode_tok_s"])
-    lines = ["| context | row | prefill tok/s | decode tok/s (rounds) | × best llama.cpp decode | keys read | "
-             "index build s | load 1-min |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| context | row | prefill tok/s (GFLOP/s) | decode tok/s (rounds) | × best llama.cpp decode | keys read | "
+             "MB read / token | % of bytes floor | index build s | load 1-min |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         n = r["context"]
         mark = "*" if r["beyond_window"] else ""
         loads = [load[0] for load in r["load_averages"]]
         lines.append(
-            f"| {n:,}{mark} | {row_label(r)} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} "
-            f"({min(r['rounds_tok_s']):.1f}–{max(r['rounds_tok_s']):.1f}) | {r['decode_tok_s'] / best_llama[n]:.2f} | "
-            f"{r['keys_read_fraction']:.1%} | {r['index_seconds']:.2f} | {min(loads):.1f}–{max(loads):.1f} |")
+            f"| {n:,}{mark} | {row_label(r)} | {r['prefill_tok_s']:.0f} ({r['prefill_flops'] / 1e9:.0f}) | "
+            f"{r['decode_tok_s']:.1f} ({min(r['rounds_tok_s']):.1f}–{max(r['rounds_tok_s']):.1f}) | "
+            f"{r['decode_tok_s'] / best_llama[n]:.2f} | {r['keys_read_fraction']:.1%} | {r['bytes_per_token'] / 1e6:.0f} | "
+            f"{r['bytes_floor_fraction']:.0%} | {r['index_seconds']:.2f} | {min(loads):.1f}–{max(loads):.1f} |")
     lines.append(f"\n\\* past the model's {window:,}-token window: timed only (llama.cpp warns "
-                 "n_ctx_seq > n_ctx_train; jaxkv runs with allow_beyond_context).")
+                 "n_ctx_seq > n_ctx_train; jaxkv runs with allow_beyond_context). MB read / token: every weight "
+                 "once and K and V of the keys read (a sparse index not counted); bytes floor: those bytes at "
+                 f"the read bandwidth measured before the run, {rates['read_Bps'] / 1e9:.1f} GB/s. GFLOP/s: "
+                 "the prefill's weight and attention products per second (XLA's float32 matmul, measured "
+                 f"before the run: {rates['matmul_flops'] / 1e9:.0f} GFLOP/s).")
     agreement = [(r["context"], row_label(r), other, count) for r in rows if r["engine"] == "llama.cpp"
                  for other, count in r.get("greedy_agreement", {}).items()]
     if agreement:
@@ -226,8 +276,9 @@ def jaxkv_rows(names: list[str] | None) -> dict:
     return {name: spec for name, spec in rows.items() if names is None or name in names}
 
 
-def run_context(n: int, args, weight_sets: dict, config, tokenizer, rows: list[dict]) -> list[dict]:
-    """Prefill and decode one context with every row in play there; the new rows."""
+def run_context(n: int, args, weight_sets: dict, config, tokenizer, rows: list[dict], read_Bps: float) -> list[dict]:
+    """Prefill and decode one context with every row in play there; the new rows (read_Bps: the
+    read bandwidth their bytes floor divides by)."""
     import models
     from jaxkv.eval import text
 
@@ -272,6 +323,8 @@ def run_context(n: int, args, weight_sets: dict, config, tokenizer, rows: list[d
         runs.update(group)
     turns = bench_decode.take_turns(runs, args.rounds)
 
+    weight_bytes = {w: sum(x.nbytes for x in jax.tree.leaves(params)) for w, params in weight_sets.items()}
+    weight_bytes["llama.cpp"] = models.default_model_path().stat().st_size  # its tensors, in their GGUF blocks
     new_rows = []
     for run, out in turns.last.items():
         engine = run[0]
@@ -288,6 +341,12 @@ def run_context(n: int, args, weight_sets: dict, config, tokenizer, rows: list[d
                        weights=weights, kv=kv, prefill_tok_s=n / prefill_s[engine, weights],
                        prefill_load_average=prefill_load[engine, weights],
                        same_tokens_as_dense=None if dense is None else out.tokens == dense.tokens)
+        itemsize = {"f32": 4, "bf16": 2, "f16": 2}[row["kv"]]
+        weights = "llama.cpp" if engine == "llama.cpp" else row["weights"]
+        row["bytes_per_token"] = decode_bytes_per_token(weight_bytes[weights], config, n + args.new_tokens // 2,
+                                                        itemsize, out.keys_read)
+        row["bytes_floor_fraction"] = row["decode_tok_s"] * row["bytes_per_token"] / read_Bps
+        row["prefill_flops"] = prefill_flops_per_token(config, n) * row["prefill_tok_s"]
         new_rows.append(row)
     for row in new_rows:
         if row["engine"] == "llama.cpp" and not beyond:
@@ -337,18 +396,21 @@ def main(argv=None):
     weight_sets = {}
     for weights in dict.fromkeys(args.weights):
         config, weight_sets[weights], tokenizer = bench_decode.load_weights(weights)
+    rates = machine_rates()
     rows = []
     for n in sorted(args.contexts):
-        rows += run_context(n, args, weight_sets, config, tokenizer, rows)
+        rows += run_context(n, args, weight_sets, config, tokenizer, rows, rates["read_Bps"])
+    rates_after = machine_rates()
     ratios = target_ratios(rows)
-    report = tables(rows, ratios, config.max_position_embeddings)
+    report = tables(rows, ratios, config.max_position_embeddings, rates)
     print(report)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(["python", *sys.argv]), "cpu": cpu_description(), "jax": jax.__version__,
             "llama_cpp_python": llamacpp_engine.version(), "threads": args.threads, "new_tokens": args.new_tokens,
-            "rounds": args.rounds, "window": config.max_position_embeddings}
+            "rounds": args.rounds, "window": config.max_position_embeddings, "rates_before": rates,
+            "rates_after": rates_after}
     (out / "bench_llamacpp.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": ratios}, indent=2))
     (out / "bench_llamacpp.md").write_text(report + "\n")
     plot(rows, config.max_position_embeddings, out / "decode_vs_context.png")

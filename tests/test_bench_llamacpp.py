@@ -62,6 +62,28 @@ def test_a_context_without_a_required_ratio_is_reported_only():
     assert sparse["required"] is None and sparse["met"] is None and sparse["ratio"] == pytest.approx(6.0)
 
 
+def test_prefill_flops_count_every_layer_matrix_twice_plus_attention():
+    import math
+
+    import models
+    from helpers_tiny_models import tiny_config
+
+    config = tiny_config()
+    shapes = models.param_shapes(config)["layers"]
+    matrices = sum(math.prod(shapes[name]) for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    # Position p attends to p + 1 keys: q·k and the weighted sum of v, per query head.
+    attention = config.num_layers * config.num_heads * 4 * config.head_dim * np.mean(np.arange(1, 101))
+    assert bench_llamacpp.prefill_flops_per_token(config, 100) == pytest.approx(2 * matrices + attention)
+
+
+def test_decode_bytes_are_the_weights_and_the_keys_read():
+    from helpers_tiny_models import tiny_config
+
+    config = tiny_config()  # 2 layers, 2 KV heads of 8
+    assert bench_llamacpp.kv_bytes_per_position(config, 2) == 2 * 2 * 2 * 8 * 2
+    assert bench_llamacpp.decode_bytes_per_token(1000, config, 100, 4, 0.25) == 1000 + 0.25 * 100 * 256
+
+
 @pytest.fixture(scope="module")
 def quantized_model():
     from bench_decode import load_weights
