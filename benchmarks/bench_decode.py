@@ -164,12 +164,14 @@ def jaxkv_decoder(params, config, prefilled, method: str, method_config, new_tok
 
 @dataclasses.dataclass
 class Turns:
-    """What :func:`take_turns` measured: each run's last decode, its tokens/s per round, and
-    the load averages (1, 5, 15 minutes) at the start of each round."""
+    """What :func:`take_turns` measured: each run's last decode, its tokens/s per round, the
+    load averages (1, 5, 15 minutes) at the start of each round, and the seconds of each run's
+    untimed first call (its compile, for a jaxkv row)."""
 
     last: dict[Hashable, Decoded]
     speeds: dict[Hashable, list[float]]
     loads: list[tuple[float, float, float]]
+    first_call_seconds: dict[Hashable, float]
 
     def median(self, run: Hashable) -> float:
         return float(np.median(self.speeds[run]))
@@ -178,7 +180,11 @@ class Turns:
 def take_turns(runs: dict[Hashable, Callable[[], Decoded]], rounds: int) -> Turns:
     """Call every run once untimed (compiles, warms), then `rounds` times, the runs in turn
     within each round so that a slow minute of a shared machine slows every run."""
-    last = {run: decode() for run, decode in runs.items()}
+    last, first_call_seconds = {}, {}
+    for run, decode in runs.items():
+        t0 = time.perf_counter()
+        last[run] = decode()
+        first_call_seconds[run] = time.perf_counter() - t0
     speeds = {run: [] for run in runs}
     loads = []
     for _ in range(rounds):
@@ -186,7 +192,7 @@ def take_turns(runs: dict[Hashable, Callable[[], Decoded]], rounds: int) -> Turn
         for run, decode in runs.items():
             last[run] = decode()
             speeds[run].append(last[run].tok_s)
-    return Turns(last, speeds, loads)
+    return Turns(last, speeds, loads, first_call_seconds)
 
 
 def main(argv=None):

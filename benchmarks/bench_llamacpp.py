@@ -284,8 +284,8 @@ def run_context(n: int, args, weight_sets: dict, config, tokenizer, rows: list[d
 
     full = n <= args.all_rows_up_to
     flash = (False, True) if full else (faster_flash_setting(rows, args.all_rows_up_to),)
-    dense_weights = [w for w in weight_sets if full or w != "f32"]
-    sparse_weights = [w for w in args.sparse_weights if w in weight_sets and (full or w != "f32")]
+    dense_weights = list(weight_sets)
+    sparse_weights = [w for w in args.sparse_weights if w in weight_sets]
     capacity = n + args.new_tokens
     beyond = capacity > config.max_position_embeddings
 
@@ -330,7 +330,8 @@ def run_context(n: int, args, weight_sets: dict, config, tokenizer, rows: list[d
         engine = run[0]
         row = {"context": n, "engine": engine, "beyond_window": beyond, "decode_tok_s": turns.median(run),
                "rounds_tok_s": turns.speeds[run], "keys_read_fraction": out.keys_read,
-               "index_seconds": out.index_seconds, "load_averages": turns.loads, "tokens": out.tokens}
+               "index_seconds": out.index_seconds, "load_averages": turns.loads, "tokens": out.tokens,
+               "first_call_seconds": turns.first_call_seconds[run]}
         if engine == "llama.cpp":
             row.update(method="dense", kernels="llama.cpp", weights="gguf", kv="f16", flash_attn=run[1],
                        prefill_tok_s=n / prefill_s[engine, run[1]], prefill_load_average=prefill_load[engine, run[1]])
@@ -399,7 +400,10 @@ def main(argv=None):
     rates = machine_rates()
     rows = []
     for n in sorted(args.contexts):
+        if n > args.all_rows_up_to:
+            weight_sets.pop("f32", None)  # its rows are done: free its 538 MB
         rows += run_context(n, args, weight_sets, config, tokenizer, rows, rates["read_Bps"])
+        jax.clear_caches()  # this context's compiled decode loops (tens of MB each) are not used again
     rates_after = machine_rates()
     ratios = target_ratios(rows)
     report = tables(rows, ratios, config.max_position_embeddings, rates)
