@@ -14,7 +14,7 @@ kernels share, has one thread per core). Rows:
 - jaxkv dense, XLA and native kernels, weights dequantised to float32 and kept in their Q4_1
   blocks; ParisKV, MagicPIG (XLA and native kernels) and the hybrid (XLA) on the kept blocks
   (``--sparse-weights``), the dense fallback off, default settings; and the rows of
-  ``--bf16-kv`` (the native dense and ParisKV) again with their KV cache in bfloat16, the
+  ``--bf16-kv`` (the native dense) again with their KV cache in bfloat16, the
   bytes a token of llama.cpp's f16 cache takes (the prefill's cache rounded to bfloat16).
 
 Per context each engine configuration prefills the prompt once, timed after an untimed
@@ -374,7 +374,7 @@ def main(argv=None):
     parser.add_argument("--methods", nargs="+",
                         help="jaxkv rows to run (default: all): dense, magicpig, pariskv, hybrid and, where this CPU "
                              "has the kernels, dense-native, magicpig-native, pariskv-native")
-    parser.add_argument("--bf16-kv", nargs="*", default=["dense-native", "pariskv-native"],
+    parser.add_argument("--bf16-kv", nargs="*", default=["dense-native"],
                         help="jaxkv rows that also run with their KV cache in bfloat16 (the prefill's cache rounded), "
                              "on the first of --sparse-weights: llama.cpp's f16 cache holds as many bytes")
     parser.add_argument("--all-rows-up-to", type=int, default=8192,
