@@ -126,6 +126,9 @@ def timed_prefill(params, config, ids: list[int], capacity: int, chunk: int = 51
     """
     import jaxkv
 
+    # The prefill's cache holds at least the prompt padded to whole chunks: the warm-up's must
+    # be as large, or the timed prefill would compile a program of its own.
+    capacity = max(capacity, -(-len(ids) // chunk) * chunk)
     jaxkv.prefill_prompts(params, config, [ids[:chunk]], capacity=capacity, prefill_chunk=chunk)
     return jaxkv.prefill_prompts(params, config, [ids], capacity=capacity, prefill_chunk=chunk)
 
