@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-notebooks test-docs test-slow cuda-plugin clean
+.PHONY: demo test test-notebooks test-docs test-slow cuda-plugin install-llamacpp clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,9 @@ $(CUDA_PLUGIN)/.installed: $(STAMP)
 
 cuda-plugin: $(CUDA_PLUGIN)/.installed
 
+# Dense and ParisKV (its CPU kernels: an x86-64 CPU with AVX2) answer from one prefill.
 demo: $(STAMP)
-	$(BIN)/jaxkv generate --chat --prompt-file docs/demo_prompt.txt --max-new-tokens 40
+	$(BIN)/jaxkv generate --chat --prompt-file docs/demo_prompt.txt --max-new-tokens 40 --keep-quantized --compare pariskv --set kernels=native
 
 test: $(STAMP) $(CUDA_PLUGIN)/.installed
 	$(BIN)/python -m pytest -q -n 2
@@ -49,6 +50,11 @@ test-docs: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# llama.cpp for benchmarks/bench_llamacpp.py (the `bench` extra), compiled from source with
+# this CPU's instruction set: about 10 minutes on 2 cores.
+install-llamacpp: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install --no-binary llama-cpp-python -e ".[bench]"
 
 clean:
 	rm -rf $(VENV)

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import dataclasses
 import enum
+import functools
 import os
 import signal
 import sys
@@ -185,19 +186,22 @@ def _read_prompt(args) -> str:
     return text
 
 
-def _method_settings(args):
-    """(method config, cache config) from --method, --set and the region flags (usage errors named)."""
+def _method_settings(args, method: str | None = None, overrides: list[str] | None = None):
+    """(method config, cache config) of `method` (default: --method) from the flags, with the
+    --set items `overrides` (default: --set); usage errors name the flag."""
     from jaxkv import cache as kvcache
     from jaxkv.attention import registry
     from jaxkv.attention.dense import DenseConfig
 
-    if args.method == "dense":
+    method = args.method if method is None else method
+    overrides = args.set if overrides is None else overrides
+    if method == "dense":
         given = [f"--{name.replace('_', '-')}" for name in REGION_FLAGS if getattr(args, name) not in (None, False)]
-        if given:
+        if given and not getattr(args, "compare", None):
             raise UsageError(f"{', '.join(given)}: the cache-region flags apply to the sparse methods, "
                              "not to --method dense")
-        return (config_with_overrides(DenseConfig, args.set) if args.set else None), None
-    method_config = config_with_overrides(registry.get(args.method).config_class, args.set)
+        return (config_with_overrides(DenseConfig, overrides) if overrides else None), None
+    method_config = config_with_overrides(registry.get(method).config_class, overrides)
     try:
         cache_config = kvcache.CacheConfig(
             sink=args.sink, local=args.local, buffer=args.buffer,
@@ -232,6 +236,34 @@ def _require_tokenizer(source):
     return source.tokenizer
 
 
+def _compare_with_dense(args, config, params, tokenizer, ids: list[int]) -> int:
+    """--compare: dense (its defaults) and args.compare (with --set and the region flags) decode
+    from one prefill; print each answer, its decode rate (compile apart) and the fraction of
+    keys it read."""
+    import models
+    from jaxkv.generate import capacity_for, generate, prefill_prompts
+
+    if args.method != "dense":
+        raise UsageError(f"--compare runs dense beside {args.compare}: drop --method {args.method}")
+    params = models.unstack_layers(params, config.num_layers)  # split once for both calls
+    prefilled = prefill_prompts(params, config, [ids], capacity=capacity_for(len(ids), args.max_new_tokens))
+    for method, overrides in (("dense", []), (args.compare, args.set)):
+        method_config, cache_config = _method_settings(args, method, overrides)
+        result = generate(
+            params, config, None, prefilled=prefilled, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=method,
+            method_config=method_config, cache_config=cache_config, allow_beyond_context=args.allow_beyond_context,
+            eos_ids=() if args.ignore_eos else None)
+        read = result.keys_read_fraction[0] if result.keys_read_fraction else 1.0
+        label = ", ".join([method, *overrides])
+        print(f"[{label}] {tokenizer.decode(result.tokens[0]).strip()}")
+        print(f"[{label}] prompt {len(ids)} tokens, prefill {len(ids) / prefilled.seconds:.1f} tok/s "
+              f"({prefilled.seconds:.2f} s, one prefill for both); generated {len(result.tokens[0])} tokens; "
+              f"compile {result.compile_seconds:.2f} s; decode {result.decode_tokens_per_second:.1f} tok/s "
+              f"({result.decode_seconds:.2f} s); read {read:.1%} of the keys", file=sys.stderr)
+    return 0
+
+
 def cmd_generate(args) -> int:
     import jax.numpy as jnp
 
@@ -255,6 +287,8 @@ def cmd_generate(args) -> int:
     memory.check_fits(memory.request_need(backend, source.config, batch=1, dtype=jnp.dtype(args.dtype or "float32"),
                                           max_new_tokens=args.max_new_tokens))
     config, params, tokenizer = source.load(args.dtype, keep_quantized=args.keep_quantized)
+    if args.compare:
+        return _compare_with_dense(args, config, params, tokenizer, ids)
     result = generate(
         params, config, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.method,
@@ -363,6 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--method", default="dense",
                      choices=["dense", "magicpig", "pariskv", "topk", "pqcache", "hybrid"])
+    gen.add_argument("--compare", choices=["magicpig", "pariskv", "topk", "pqcache", "hybrid"], metavar="METHOD",
+                     help="prefill once, then decode with dense (its defaults) and with METHOD (--set and the "
+                          "region flags apply to it); print both answers, their decode rates (compile apart) "
+                          "and the fraction of keys each read")
     gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a method parameter, e.g. --set top_k=2048 (repeatable)")
     gen.add_argument("--sink", type=NON_NEGATIVE_INT, help="sink tokens (default: the method's)")
