@@ -261,3 +261,9 @@ def test_the_documented_table_is_what_the_script_computes():
         if row.label in ("MagicPIG", "ParisKV"):
             line = data_movement.markdown(shapes, [data_movement.measure(row, shapes, n)]).splitlines()[-1]
             assert line in documented, line
+
+
+@pytest.mark.parametrize("field", ["offload", "host_index"])
+def test_placement_switches_must_be_bools(field):
+    with pytest.raises(ValueError, match=rf"CacheConfig\.{field} must be a bool, got 'no'"):
+        kvcache.CacheConfig(**{field: "no"})
