@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import models
-from jaxkv import native
+from jaxkv import native, offload
 from models import fields, row_values, rows_to_store, stored_rows
 from jaxkv.attention import common, dense, registry
 from jaxkv.attention.method import SparseMethod
@@ -38,8 +38,11 @@ class CacheConfig:
     dense_threshold: contexts shorter than this are attended exactly (every
     retrieval row read). None = ParisKV's rule max(2000, S + W + 2·top_k);
     0 disables the fallback.
-    offload: keep retrieval K/V and the index's bulk fields (the method's
-    ``host_index_fields(mcfg)``) in pinned host memory (False: on the device).
+    offload: keep retrieval K/V in pinned host memory (False: on the device).
+    host_index: with offload, keep the index of a method that works in host memory
+    (its ``host_config`` hook: MagicPIG) there, beside the rows, and select and
+    attend there; False keeps every index on the device, selecting there and
+    fetching the selected rows (see :func:`host_config`).
     slot_block: slots of a selection gathered and attended at a time on the
     XLA path, for a method whose correction is slot-wise (MagicPIG): blocks
     past the last slot in use are not read.
@@ -50,6 +53,7 @@ class CacheConfig:
     buffer: int | None = None
     dense_threshold: int | None = None
     offload: bool = True
+    host_index: bool = True
     slot_block: int = 2048
 
     def __post_init__(self):
@@ -98,10 +102,6 @@ def _host(x, ccfg):
     return jax.device_put(x, HOST) if ccfg.offload else x
 
 
-def _device(x, ccfg):
-    return jax.device_put(x, DEVICE) if ccfg.offload else x
-
-
 # Every region of a bfloat16 cache holds its rows' bits, as models.KVCache does (see
 # models.stored_rows: XLA CPU widens and copies a whole bfloat16 buffer for any write into
 # it); readers take the rows back as bfloat16 (row_values), the CPU kernels read the bits in
@@ -114,55 +114,73 @@ def _flat_rows(b: int, h: int, cap: int, idx):
     return (base.reshape(b, h, *([1] * (idx.ndim - 2))) + idx).reshape(-1)
 
 
-def host_take(store, flat_idx, shape=None):
-    """store[flat_idx] (along axis 0) for a store in host memory, reshaped to `shape`
-    (default: as taken), on the device.
+def _take_rows(store, flat_idx, shape):
+    """store [B, H, cap, hd]'s rows at flat row numbers flat_idx (:func:`_flat_rows`), as ``shape``."""
+    b, h, cap, hd = store.shape
+    return store.reshape(b * h * cap, hd).at[flat_idx].get(mode="promise_in_bounds").reshape(shape)
 
-    Host memory cannot be read by device kernels in JAX: the gather runs on the
-    host side (every operand in host memory) and only the taken rows move. They
-    are reshaped before they move: on a GPU (jax 0.11.2), a reshape of the moved
-    rows fails to compile ("Bitcast cannot have different memory spaces").
+
+def host_take(store, flat_idx, shape):
+    """:func:`_take_rows` of a store in host memory, on the device.
+
+    Host memory cannot be read by device kernels in JAX: the gather is an explicit
+    host computation (:func:`jaxkv.offload.on_host`); only the indices move in and the
+    taken rows out, already in their final shape: on a GPU (jax 0.11.2), a reshape of
+    moved rows failed to compile ("Bitcast cannot have different memory spaces").
     """
-    rows = store.at[jax.device_put(flat_idx, HOST)].get(mode="promise_in_bounds")
-    return jax.device_put(rows if shape is None else rows.reshape(shape), DEVICE)
+    take = functools.partial(_take_rows, shape=shape)
+    return jax.device_put(offload.on_host(take)(store, jax.device_put(flat_idx, HOST)), DEVICE)
 
 
 def gather_rows(store, idx, ccfg):
     """store [B, H, cap, hd] (host or device), idx [B, H, C] → rows [B, H, C, hd] on the device
     (as :func:`row_values`)."""
     b, h, cap, hd = store.shape
-    flat, flat_idx = store.reshape(b * h * cap, hd), _flat_rows(b, h, cap, idx)
-    shape = (*idx.shape, hd)
-    return row_values(host_take(flat, flat_idx, shape) if ccfg.offload else flat[flat_idx].reshape(shape))
+    flat_idx, shape = _flat_rows(b, h, cap, idx), (*idx.shape, hd)
+    return row_values(host_take(store, flat_idx, shape) if ccfg.offload else _take_rows(store, flat_idx, shape))
 
 
-def _host_index_take(array, flat_idx):
-    """The `take` a method's select() uses for an index field kept in host memory."""
-    return host_take(array.reshape(-1), flat_idx)
+def host_config(method, mcfg, ccfg):
+    """The method config whose index lives in host memory, where its insertion, selection and
+    attention over the selected rows run as host computations: the method's
+    ``host_config(mcfg)`` when the cache offloads (MagicPIG's placement in its paper: only
+    the query goes to the host and the partial comes back). None: the index lives on the
+    device (also when ``ccfg.host_index`` is False), selects there, and only the selected
+    rows come from host memory."""
+    if not (ccfg.offload and ccfg.host_index):
+        return None
+    return method.host_config(mcfg)
 
 
-def method_select(method: SparseMethod, mcfg, ccfg):
-    """method.select as the cache calls it: host-resident index fields read by host gather."""
-    if ccfg.offload and method.host_index_fields(mcfg):
-        return functools.partial(method.select, take=_host_index_take)
-    return method.select
+def place_index(index, method, mcfg, ccfg):
+    """The index where the cache keeps it: in host memory when :func:`host_config` says so."""
+    return offload.to_host(index) if host_config(method, mcfg, ccfg) is not None else index
 
 
-def place_index(index, method, mcfg, ccfg, *, host: bool):
-    """The index with the method's bulk fields (``method.host_index_fields``) in host (or device) memory."""
-    fields = method.host_index_fields(mcfg)
-    move = _host if host else _device
-    return dataclasses.replace(index, **{f: move(getattr(index, f), ccfg) for f in fields}) if fields else index
+def _write_rows_here(store, start, rows, live):
+    """store [B, H, cap, hd] with rows [B, H, U, hd] (as it holds them) at rows start[b]..start[b] + U − 1
+    of every head of batch row b where live[b]; the other batch rows keep what they hold.
+
+    One contiguous dynamic-update-slice per batch row: U·H rows read (what a row that is
+    not live writes back) and written, nothing else. A start past cap − U is clamped
+    (writing back what is there); generate() sizes cap so a live row's never is.
+    """
+    if rows.dtype != store.dtype:
+        raise ValueError(f"rows of dtype {rows.dtype} cannot be written into a store of {store.dtype}")
+    for b in range(store.shape[0]):
+        at = (b, 0, start[b], 0)
+        kept = jax.lax.dynamic_slice(store, at, (1, *rows.shape[1:]))
+        store = jax.lax.dynamic_update_slice(store, jnp.where(live[b], rows[b:b + 1], kept), at)
+    return store
 
 
-def scatter_rows(store, idx, rows, ccfg):
-    """Write rows [B, H, U, hd] at per-(b, h) row indices idx [B, H, U] of store (as it holds them,
-    ``models.rows_to_store``)."""
-    b, h, cap, hd = store.shape
-    flat_idx = _host(_flat_rows(b, h, cap, idx), ccfg)
-    rows = rows_to_store(rows.reshape(-1, hd), store)
-    flat = store.reshape(b * h * cap, hd).at[flat_idx].set(_host(rows, ccfg), mode="promise_in_bounds")
-    return flat.reshape(store.shape)
+def write_rows(store, start, rows, live, ccfg):
+    """:func:`_write_rows_here` for a store on the device, or in host memory with offload: then an
+    explicit host computation writes the rows, moved in first (O(U·d) bytes; no round trip
+    of the store, and no scatter into host memory, the pattern of openxla/xla#34565)."""
+    if not ccfg.offload:
+        return _write_rows_here(store, start, rows, live)
+    return offload.on_host(_write_rows_here)(store, *offload.to_host((start, rows, live)))
 
 
 def over_batch_heads(f):
@@ -214,7 +232,7 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     n = jnp.broadcast_to(retr_len[:, None], (b, h))
     index = over_batch_heads(lambda kk, vv, nn: method.build(mcfg, kk, vv, nn, key))(
         row_values(retr_k), row_values(retr_v), n)
-    index = place_index(index, method, mcfg, ccfg, host=True)
+    index = place_index(index, method, mcfg, ccfg)
     return RegionKV(
         sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
         retr_k=_host(retr_k, ccfg), retr_v=_host(retr_v, ccfg), index=index,
@@ -232,6 +250,21 @@ def _window_rows(x, slots):
     return jax.vmap(lambda xb, sb: xb[:, sb])(x, slots)
 
 
+def _insert(index, keys, values, count, *, method, mcfg):
+    """The index with each (batch row, head)'s first count[b, h] of keys, values [B, H, U, hd] inserted."""
+    insert = lambda ix, kk, vv, c: method.insert(mcfg, ix, kk, vv, c)
+    return _over_batch_heads_for_insert(method, mcfg)(insert)(index, keys, values, count)
+
+
+def _write_and_insert(retr_k, retr_v, index, new_k, new_v, start, count, *, method, mcfg):
+    """Retrieval K and V with new_k, new_v [B, H, U, hd] (as they hold them) at rows start[b]..,
+    and the index with them inserted, for the batch rows with count[b, :] > 0: a flush's work
+    where the region and the index are (the device, or one host computation)."""
+    live = count[:, 0] > 0
+    index = _insert(index, row_values(new_k), row_values(new_v), count, method=method, mcfg=mcfg)
+    return _write_rows_here(retr_k, start, new_k, live), _write_rows_here(retr_v, start, new_v, live), index
+
+
 def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
     """Move the oldest U window tokens of every full row into retrieval and its index.
 
@@ -239,29 +272,31 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
     win_start, and the window arrays are not written. Shifting them instead
     made XLA copy both whole windows every step, flush or not (the cond's
     untaken branch must hand back the buffer the taken one writes).
+
+    With offload, the U·H rows of K and V of each batch row are what crosses to the
+    host: they are written there contiguously at the row's retrieval length, and a
+    host-resident index (:func:`host_config`) inserts them in the same host
+    computation. A device-resident index inserts them on the device.
     """
     w, u = ccfg.local, ccfg.buffer
     full = state.win_len == w + u
     b, h = state.win_k.shape[:2]
     oldest = _window_slots(state, jnp.zeros_like(state.win_start), u)
-    moved_k, moved_v = row_values(_window_rows(state.win_k, oldest)), row_values(_window_rows(state.win_v, oldest))
-    # Rows that are not full write their (unchanged) oldest window rows past their
-    # retrieval length: those rows stay invalid because retr_len does not move.
-    rows = state.retr_len[:, None, None] + jnp.arange(u)[None, None, :]
-    rows = jnp.broadcast_to(rows, (b, h, u))
+    new_k, new_v = _window_rows(state.win_k, oldest), _window_rows(state.win_v, oldest)
     count = jnp.broadcast_to(jnp.where(full, u, 0)[:, None], (b, h)).astype(jnp.int32)
-    # Inserting permutes whole id lists: host-resident index fields visit the
-    # device once per flush (every U steps), not once per step.
-    index = place_index(state.index, method, mcfg, ccfg, host=False)
-    insert = lambda ix, kk, vv, c: method.insert(mcfg, ix, kk, vv, c)
-    index = _over_batch_heads_for_insert(method, mcfg)(insert)(index, moved_k, moved_v, count)
-    index = place_index(index, method, mcfg, ccfg, host=True)
+    hcfg = host_config(method, mcfg, ccfg)
+    if hcfg is not None:
+        write_and_insert = functools.partial(_write_and_insert, method=method, mcfg=hcfg)
+        retr_k, retr_v, index = offload.on_host(write_and_insert)(
+            state.retr_k, state.retr_v, state.index, *offload.to_host((new_k, new_v, state.retr_len, count)))
+    else:
+        index = _insert(state.index, row_values(new_k), row_values(new_v), count, method=method, mcfg=mcfg)
+        retr_k = write_rows(state.retr_k, state.retr_len, new_k, full, ccfg)
+        retr_v = write_rows(state.retr_v, state.retr_len, new_v, full, ccfg)
     moved = jnp.where(full, u, 0)
     return dataclasses.replace(
-        state,
-        retr_k=scatter_rows(state.retr_k, rows, moved_k, ccfg),
-        retr_v=scatter_rows(state.retr_v, rows, moved_v, ccfg),
-        index=index, win_start=(state.win_start + moved) % state.win_k.shape[2],
+        state, retr_k=retr_k, retr_v=retr_v, index=index,
+        win_start=(state.win_start + moved) % state.win_k.shape[2],
         win_len=state.win_len - moved, retr_len=state.retr_len + moved)
 
 
@@ -380,10 +415,46 @@ def _exact_partial(q, state: RegionKV, *, method, mcfg):
     return over_batch_heads(common.merge)(sink, window)
 
 
-def _retrieval_dense(q, state: RegionKV, ccfg):
-    """Exact partial over every retrieval row (the short-context fallback)."""
-    keys, values = _device(state.retr_k, ccfg), _device(state.retr_v, ccfg)
-    return _region_partial(q, keys, values, state.retr_len), state.retr_len.astype(jnp.float32)
+def _leading_rows(store, n: int, ccfg):
+    """The first n rows of every (batch row, head) of store [B, H, cap, hd], on the device (with
+    offload: cut by a host computation and moved, B·H·n rows)."""
+    if not ccfg.offload:
+        return store[:, :, :n]
+    if n < store.shape[2]:
+        store = offload.on_host(lambda x: x[:, :, :n])(store)
+    return jax.device_put(store, DEVICE)
+
+
+def _retrieval_dense(q, state: RegionKV, ccfg, every_short):
+    """Exact partial over the retrieval rows in use (the short-context fallback).
+
+    While every row's context is below ``ccfg.dense_threshold`` (every_short), no row
+    holds that many retrieval rows: only the first ``dense_threshold`` are read (and
+    moved from host memory). A batch that mixes short and long rows reads them all.
+    """
+    cap = state.retr_k.shape[2]
+
+    def over(n):
+        keys, values = _leading_rows(state.retr_k, n, ccfg), _leading_rows(state.retr_v, n, ccfg)
+        return _region_partial(q, keys, values, state.retr_len)
+
+    first = min(cap, ccfg.dense_threshold)
+    part = over(cap) if first == cap else jax.lax.cond(every_short, lambda: over(first), lambda: over(cap))
+    return part, state.retr_len.astype(jnp.float32)
+
+
+def _retrieval(q, state: RegionKV, context, *, method, mcfg, ccfg, batch_axis):
+    """The retrieval region's partial and keys read per row: exact (:func:`_retrieval_dense`) while
+    any row's context is below ``ccfg.dense_threshold`` (0: never; no fallback is compiled),
+    the method's estimate otherwise. With batch_axis the decision spans every shard's rows."""
+    sparse = functools.partial(_retrieval_sparse, q, state, method=method, mcfg=mcfg, ccfg=ccfg)
+    if not ccfg.dense_threshold:
+        return sparse()
+    short = context < ccfg.dense_threshold
+    some_short, long_rows = jnp.any(short).astype(jnp.int32), jnp.sum(~short, dtype=jnp.int32)
+    if batch_axis is not None:
+        some_short, long_rows = jax.lax.psum((some_short, long_rows), batch_axis)
+    return jax.lax.cond(some_short > 0, lambda: _retrieval_dense(q, state, ccfg, long_rows == 0), sparse)
 
 
 def _keys_and_correction(q, state: RegionKV, sel, *, method, mcfg, ccfg):
@@ -446,19 +517,41 @@ def attend_rows_in_place(q, state: RegionKV, sel, *, method, mcfg) -> common.Par
         state.index, q, state.retr_k, state.retr_v, sel)
 
 
+def _retrieval_on_host(q, state: RegionKV, hcfg, *, method, ccfg):
+    """:func:`_retrieval_sparse` as one host computation over the host-resident index and rows,
+    run with the method's host config ``hcfg``: the query [B, H, G, hd] moves to the host and
+    the partial ((o, l, m) per query head) and the keys read come back, nothing else."""
+    local = dataclasses.replace(ccfg, offload=False)  # inside, every array is the computation's own
+
+    def estimate(q, index, keys, values):
+        here = dataclasses.replace(state, index=index, retr_k=keys, retr_v=values)
+        return _retrieval_sparse(q, here, method=method, mcfg=hcfg, ccfg=local)
+
+    return offload.to_device(offload.on_host(estimate)(offload.to_host(q), state.index, state.retr_k, state.retr_v))
+
+
 def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     """The method's estimate over the retrieval region: select, gather, correct, attend.
 
-    With the retrieval region on the device and ``method.kernels(mcfg)`` running
-    the Pallas kernels, the attention runs in the gather-attention kernel;
-    a method whose ``reads_rows_in_place(mcfg, keys)`` holds (the CPU kernels of
-    MagicPIG and ParisKV) attends the rows where they lie, host memory included; otherwise
-    host-offloaded rows are gathered on the host side first and attended by XLA,
-    block by block for a method whose correction is slot-wise
+    With a host-resident index (:func:`host_config`: MagicPIG offloaded) all of it
+    runs in one host computation (:func:`_retrieval_on_host`). Otherwise the method
+    selects on the device. With the retrieval region on the device and a method
+    config whose ``method.kernels(mcfg)`` runs the Pallas kernels, the attention runs in the
+    gather-attention kernel; a method whose ``reads_rows_in_place(mcfg, keys)`` holds (the CPU kernels
+    of MagicPIG and ParisKV) attends the rows where they lie, host memory included;
+    otherwise offloaded rows are gathered by a host computation, moved, and attended
+    by XLA, block by block for a method whose correction is slot-wise
     (``slot_wise_correction``) and whose selection exceeds a block.
+
+    No kernel attends offloaded rows: they arrive gathered and contiguous, so the
+    gather-attention kernel's in-kernel gather has nothing left to save, and on the
+    one GPU run the kernel lost to XLA's fused attention at 2,048 rows
+    (docs/results/gpu.md). The step's cost there is the rows' transfer.
     """
-    select = method_select(method, mcfg, ccfg)
-    sel = over_batch_heads(lambda ix, qq: select(mcfg, ix, qq))(state.index, q)
+    hcfg = host_config(method, mcfg, ccfg)
+    if hcfg is not None:
+        return _retrieval_on_host(q, state, hcfg, method=method, ccfg=ccfg)
+    sel = over_batch_heads(lambda ix, qq: method.select(mcfg, ix, qq))(state.index, q)
     kernels = method.kernels(mcfg)
     if not ccfg.offload and kernels.uses_pallas():
         # The kernel gathers rows of the device-resident region itself: no copy of V.
@@ -484,28 +577,31 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
 
 def region_attention(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg: CacheConfig,
                      batch_axis: str | None = None):
-    """Decode-step attention (T = 1) through the four regions.
+    """Decode-step attention (T = 1) through the four regions: a flush if a window is full,
+    then :func:`region_step`.
 
     batch_axis: the mesh axis the batch is split over when this runs per shard
     (jaxkv.sharding); the dense fallback is then decided for the whole batch,
     as on one device, not per shard.
     """
+    state = _flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg)
+    return region_step(q, k, v, positions, state, method=method, mcfg=mcfg, ccfg=ccfg, batch_axis=batch_axis)
+
+
+def region_step(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg: CacheConfig,
+                batch_axis: str | None = None):
+    """:func:`region_attention` of a state whose windows have room (no flush): the token
+    written, the regions attended and merged."""
     if q.shape[1] != 1:
         raise ValueError(f"the four-region cache decodes one token at a time, got {q.shape[1]}")
     b, _, hq, hd = q.shape
     hkv = k.shape[2]
     pos = positions[:, 0]
     qg = q[:, 0].reshape(b, hkv, hq // hkv, hd)
-    state = _write_token(_flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg), k[:, 0], v[:, 0], pos, ccfg)
+    state = _write_token(state, k[:, 0], v[:, 0], pos, ccfg)
     exact = _exact_partial(qg, state, method=method, mcfg=mcfg)
     context = pos + 1
-    short = jnp.any(context < ccfg.dense_threshold)
-    if batch_axis is not None:
-        short = jax.lax.psum(short.astype(jnp.int32), batch_axis) > 0
-    retrieval, reads = jax.lax.cond(
-        short,
-        lambda: _retrieval_dense(qg, state, ccfg),
-        lambda: _retrieval_sparse(qg, state, method=method, mcfg=mcfg, ccfg=ccfg))
+    retrieval, reads = _retrieval(qg, state, context, method=method, mcfg=mcfg, ccfg=ccfg, batch_axis=batch_axis)
     out = over_batch_heads(lambda a, r: common.finalize(common.merge(a, r)))(exact, retrieval)
     state = dataclasses.replace(
         state,

@@ -174,10 +174,11 @@ def _magicpig_decode(offload: bool, steps: int = 12, **cache_kw):
     return out, state, q
 
 
-def test_magicpig_id_lists_live_in_host_memory_and_decode_the_same():
+def test_magicpig_index_lives_in_host_memory_and_decodes_the_same():
+    """Offloaded, MagicPIG's whole index stays beside the retrieval rows (its paper's placement:
+    the selection and the sampled rows' attention run there) and decodes as on the device."""
     out_host, state, _ = _magicpig_decode(offload=True)
-    assert state.index.sorted_ids.sharding.memory_kind == "pinned_host"
-    assert state.index.bucket_starts.sharding.memory_kind == "device"  # small per-head metadata
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.index)} == {"pinned_host"}
     out_device, state_device, _ = _magicpig_decode(offload=False)
     assert state_device.index.sorted_ids.sharding.memory_kind == "device"
     # Same index, same samples: the host gather only changes where rows are read.
@@ -195,8 +196,8 @@ def test_magicpig_read_in_blocks_of_slots_decodes_as_one_pass():
     # What the blocks covered: several blocks used, and unused ones past them (skipped).
     q = jnp.asarray(q.reshape(2, H, 3, HD))  # the query group of each KV head
     mcfg = SMALL_MAGICPIG
-    select = kvcache.method_select(magicpig.METHOD, mcfg, kvcache.CacheConfig(offload=True))  # the id lists are in host memory
-    sel = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select(mcfg, ix, qq)))(state.index, q)
+    index = jax.device_put(state.index, kvcache.DEVICE)  # offloaded, the cache selects in host memory
+    sel = jax.jit(kvcache.over_batch_heads(lambda ix, qq: magicpig.select(mcfg, ix, qq)))(index, q)
     used, slots = int(kvcache._used_slots(sel)), sel.idx.shape[-1]
     assert used % 3 and 2 * 3 < used < slots - 3, (used, slots)  # a partial last block
 
@@ -216,11 +217,14 @@ def test_bfloat16_flush_converts_no_retrieval_region():
     flush = jax.jit(functools.partial(kvcache.flush, method=magicpig.METHOD, mcfg=mcfg, ccfg=ccfg), donate_argnums=0)
     hlo = flush.lower(state).compile().as_text()
     b, h, cap, hd = state.retr_k.shape
-    dims = {f"[{b},{h},{cap},{hd}]", f"[{b * h * cap},{hd}]"}  # the region, and its rows as scattered into
+    dims = {f"[{b},{h},{cap},{hd}]", f"[{b * h * cap},{hd}]"}  # the region, and its rows flattened
     results = (re.match(r"(\w+)(\[[\d,]*\])", line.split(" = ", 1)[1]) for line in hlo.splitlines() if " = " in line)
     region_arrays = [r.string for r in results if r and r.group(2) in dims]
     assert all(rhs.startswith("u16") and " copy(" not in rhs for rhs in region_arrays), region_arrays[:4]
-    assert sum("scatter" in rhs for rhs in region_arrays) >= 2  # K and V written: the check sees them
+    # K and V written by contiguous updates (a scatter into host memory is the pattern of
+    # openxla/xla#34565), one per batch row: the check sees them.
+    assert not any("scatter" in rhs for rhs in region_arrays), region_arrays
+    assert sum("dynamic-update-slice" in rhs for rhs in region_arrays) >= 2 * b
 
 
 def test_used_slots_is_one_past_the_last_slot_any_head_uses():

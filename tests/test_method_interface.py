@@ -47,7 +47,7 @@ class FirstK(SparseMethod):
     def insert(self, cfg, index, keys_new, values_new, count):
         return FirstKIndex(n=index.n + count)
 
-    def select(self, cfg, index, q, take=None):
+    def select(self, cfg, index, q):
         rows = jnp.arange(cfg.k, dtype=jnp.int32)
         live = rows < index.n
         return common.Selection(idx=jnp.where(live, rows, 0), mask=live)  # indices stay in the region

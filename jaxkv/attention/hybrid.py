@@ -332,7 +332,7 @@ class Hybrid(SparseMethod):
     def insert(self, cfg, index, keys_new, values_new, count):
         return insert(cfg, index, keys_new, count, values_new=values_new)
 
-    def select(self, cfg, index, q, take=None):
+    def select(self, cfg, index, q):
         return select(cfg, index, q)
 
     def correction(self, cfg, index, q, k_rows, selection):

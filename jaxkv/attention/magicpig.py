@@ -133,10 +133,20 @@ def is_dense_layer(cfg: MagicPIGConfig, layer: int) -> bool:
     return layer in cfg.dense_layers
 
 
-# The id lists grow with the context (4·L bytes per key, more than bf16 K and V
-# at L=150): with host offload they live in host memory beside the retrieval
-# region, and select() reads the entries it needs through a host gather.
-HOST_INDEX_FIELDS = ("sorted_ids",)
+def host_config(cfg: MagicPIGConfig) -> MagicPIGConfig | None:
+    """The config the cache runs MagicPIG with in host memory when it offloads: the paper's
+    placement. The whole index (its id lists: 4·L bytes per key, more than bf16 K and V at
+    L = 150) stays beside the retrieval rows, and the query's bucket lookup, the sampling,
+    the attention over the sampled rows and the insertion of flushed keys run there, on the
+    XLA path (no GPU kernel runs on the host). Only the query goes in and the partial comes
+    out; a flush moves only its rows. With the id lists on the device instead, each step
+    would move every sampled row (up to ``capacity`` slots) and each flush would rewrite
+    the lists on the device (docs/architecture.md, "Data movement").
+
+    None for the CPU kernels (``kernels="native"``): on the CPU the device's memory is host
+    memory, and the lists stay where the kernels' merge rewrites them in place.
+    """
+    return None if cfg.kernels.uses_native() else dataclasses.replace(cfg, kernels=Kernels.XLA)
 
 
 def index_bytes_per_key(cfg: MagicPIGConfig) -> int:
@@ -424,11 +434,6 @@ def _entries_read(running, tables_used):
     return jnp.where(tables_used > 0, last, 0)
 
 
-def _take_local(array, flat_idx):
-    """array.reshape(-1)[flat_idx] for an array in the computation's own memory."""
-    return array.reshape(-1)[flat_idx]
-
-
 def _entry_positions(cfg, cap, lo, sizes, running):
     """Flat positions in ``sorted_ids.reshape(-1)`` of one query head's candidate slots.
 
@@ -446,7 +451,7 @@ def _entry_positions(cfg, cap, lo, sizes, running):
     return jnp.clip(slot + lax.associative_scan(jnp.add, steps), 0, cfg.L * cap - 1)
 
 
-def _head_hits(cfg, sorted_ids, lo, sizes, running, read, take):
+def _head_hits(cfg, sorted_ids, lo, sizes, running, read):
     """One query head's sampled keys, bool [cap]: ids in >= min_hits of the buckets it reads.
 
     An id occurs at most once per table, so its count among the first ``read``
@@ -455,7 +460,7 @@ def _head_hits(cfg, sorted_ids, lo, sizes, running, read, take):
     """
     cap = sorted_ids.shape[1]
     positions = _entry_positions(cfg, cap, lo, sizes, running)
-    ids = jnp.where(jnp.arange(positions.shape[0]) < read, take(sorted_ids, positions), cap)
+    ids = jnp.where(jnp.arange(positions.shape[0]) < read, sorted_ids.reshape(-1)[positions], cap)
     hits = jnp.zeros((cap + 1,), HIT_COUNT_DTYPE).at[ids].add(1)  # slot cap counts the unread slots
     return hits[:cap] >= cfg.min_hits
 
@@ -477,8 +482,8 @@ def _head_hits_kernel(cfg, index, codes, tables_used, capacity):
     return hits, jnp.sum(found.mask, dtype=jnp.int32) + found.overflow
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "take"))
-def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, take=None):
+@_jit_with_static_cfg
+def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array):
     """:func:`select` plus what overflowed (:class:`SelectStats`), never silently:
 
     - ``candidate_capacity`` bounds the inverted-index entries a query head reads over
@@ -487,17 +492,10 @@ def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, t
       read (``tables_used`` < L).
     - ``capacity`` bounds the sampled keys per KV head (the union over its query heads);
       keys beyond it are dropped, highest ids first (``truncated``).
-
-    take(array, flat_idx): how entries of ``index.sorted_ids`` are read; None
-    reads them in place. The cache passes a host gather when the id lists live
-    in host memory (the collide kernel cannot read those, so XLA does the work).
     """
     cap = index.sorted_ids.shape[1]
     capacity = cfg.sample_capacity(cap)
     if cfg.kernels.uses_native():
-        if take is not None:
-            raise ValueError("MagicPIGConfig(kernels='native') reads the id lists in place: they cannot be "
-                             "in host memory (the cache keeps them on the device for it: host_index_fields)")
         codes, tables_used, read = _native_query_buckets(cfg, index, q)
         idx, member, n_sampled, n_union = native.magicpig_collide(
             index.sorted_ids, index.bucket_starts, codes, tables_used, capacity, cfg.min_hits)
@@ -507,22 +505,21 @@ def select_with_stats(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, t
         lo, sizes, running, tables_used = _code_buckets(cfg, index, codes)
         read = _entries_read(running, tables_used)
         selection, n_sampled, n_union = _sample_xla(cfg, index, codes, lo, sizes, running, tables_used, read,
-                                                    capacity, take)
+                                                    capacity)
     stats = SelectStats(tables_used=tables_used, entries_read=read, n_sampled=n_sampled,
                         truncated=(jnp.max(n_sampled) > capacity) | (n_union > capacity))
     return selection, stats
 
 
-def _sample_xla(cfg, index, codes, lo, sizes, running, tables_used, read, capacity, take):
+def _sample_xla(cfg, index, codes, lo, sizes, running, tables_used, read, capacity):
     """:func:`select_with_stats`'s sample by XLA or the Pallas collide kernel: (selection,
     n_sampled [G], size of the union before the capacity)."""
     cap = index.sorted_ids.shape[1]
-    if cfg.kernels.uses_pallas() and take is None:
+    if cfg.kernels.uses_pallas():
         hits, n_sampled = jax.vmap(
             lambda c, t: _head_hits_kernel(cfg, index, c, t, capacity))(codes, tables_used)
     else:
-        hits = jax.vmap(lambda *a: _head_hits(cfg, index.sorted_ids, *a, take or _take_local))(
-            lo, sizes, running, read)
+        hits = jax.vmap(lambda *a: _head_hits(cfg, index.sorted_ids, *a))(lo, sizes, running, read)
         n_sampled = jnp.sum(hits, axis=1, dtype=jnp.int32)
     # The lowest `capacity` ids of the union: each is among its heads' lowest
     # `capacity` too, so the kernel's per-head lists (those) give the same slots.
@@ -533,9 +530,9 @@ def _sample_xla(cfg, index, codes, lo, sizes, running, tables_used, read, capaci
     return selection, n_sampled, jnp.sum(in_union, dtype=jnp.int32)
 
 
-def select(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, take=None) -> common.Selection:
+def select(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array) -> common.Selection:
     """Sampled rows for q[G, d]: idx [C] (union over heads), mask [G, C] (each head's own sample)."""
-    return select_with_stats(cfg, index, q, take)[0]
+    return select_with_stats(cfg, index, q)[0]
 
 
 def _cosine(q: jax.Array, x: jax.Array) -> jax.Array:
@@ -586,8 +583,8 @@ class MagicPIG(SparseMethod):
     def insert(self, cfg, index, keys_new, values_new, count):
         return insert(cfg, index, keys_new, count)
 
-    def select(self, cfg, index, q, take=None):
-        return select(cfg, index, q, take)
+    def select(self, cfg, index, q):
+        return select(cfg, index, q)
 
     def correction(self, cfg, index, q, k_rows, selection):
         return correction(cfg, index, q, k_rows, selection)
@@ -598,11 +595,8 @@ class MagicPIG(SparseMethod):
     def kernels(self, cfg):
         return cfg.kernels
 
-    def host_index_fields(self, cfg):
-        """The id lists (:data:`HOST_INDEX_FIELDS`), but for the CPU kernels: on the CPU the
-        device's memory is host memory, and the lists stay where the merge rewrites them in
-        place (host-resident lists would visit the device and come back on every flush)."""
-        return () if cfg.kernels.uses_native() else HOST_INDEX_FIELDS
+    def host_config(self, cfg):
+        return host_config(cfg)
 
     def inserts_in_place(self, cfg):
         """The CPU kernels' merge rewrites the id lists in place."""

@@ -78,13 +78,9 @@ class SparseMethod(abc.ABC):
         """
 
     @abc.abstractmethod
-    def select(self, cfg, index, q: jax.Array, take=None) -> common.Selection:
+    def select(self, cfg, index, q: jax.Array) -> common.Selection:
         """The retrieval rows to read for the query group q [G, d].
 
-        Args:
-          take: None, or ``take(array, flat_idx)``: how to read entries of the index
-            fields :meth:`host_index_fields` names, which then lie in host memory
-            (a host gather). A method without such fields never gets one.
         Returns:
           A :class:`common.Selection` of static capacity (idx [C], mask [C] or [G, C],
           optionally ``rest``: a partial estimated from the index alone over rows
@@ -120,10 +116,13 @@ class SparseMethod(abc.ABC):
         selection (Pallas gather-attention) and for the dense layers (``native``)."""
         return Kernels.XLA
 
-    def host_index_fields(self, cfg) -> tuple[str, ...]:
-        """Fields of the index that grow with the context and live in host memory when the
-        cache offloads (read in ``select`` through ``take``). Default: none."""
-        return ()
+    def host_config(self, cfg):
+        """None (default): with offload the index stays on the device, ``select`` runs there
+        and only the selected rows come from host memory. Otherwise the config to run the
+        method with in host memory: the index then lives beside the retrieval rows and the
+        insertion, selection and attention over the selected rows run as host computations
+        (only the query crosses in, the partial out). See docs/architecture.md, "Data movement"."""
+        return None
 
     def inserts_in_place(self, cfg) -> bool:
         """Whether ``insert`` rewrites index buffers in place (a CPU kernel aliasing its
@@ -190,7 +189,7 @@ class KeyRetriever(SparseMethod):
     def insert(self, cfg, index, keys_new, values_new, count):
         return self.functions.insert(cfg, index, keys_new, count)
 
-    def select(self, cfg, index, q, take=None):
+    def select(self, cfg, index, q):
         return self.functions.select(cfg, index, q)
 
     def top_k(self, cfg):

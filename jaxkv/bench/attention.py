@@ -233,7 +233,9 @@ def magicpig_index(cfg, retr_k, n: int):
 def region_state(method, mcfg, staging_k, staging_v, n: int):
     """The RegionKV generate() would hold after prefilling n tokens, and its CacheConfig
     (``method`` a ``jaxkv.attention.method.SparseMethod``)."""
-    ccfg = kvcache.CacheConfig(dense_threshold=0).resolve(mcfg)
+    # Every index on the device, so sparse_stages can time the select as a call of its own (on
+    # the CPU the device's memory is host memory: the same arrays, the same work).
+    ccfg = kvcache.CacheConfig(dense_threshold=0, host_index=False).resolve(mcfg)
     capacity = n - ccfg.sink - ccfg.local + ccfg.buffer
     lengths = jnp.full((1,), n, jnp.int32)
     build_here = method != magicpig.METHOD
@@ -241,7 +243,7 @@ def region_state(method, mcfg, staging_k, staging_v, n: int):
                      mcfg=mcfg, ccfg=ccfg, capacity=capacity)
     if not build_here:
         index = magicpig_index(mcfg, state.retr_k, int(state.retr_len[0]))
-        state = dataclasses.replace(state, index=kvcache.place_index(index, method, mcfg, ccfg, host=True))
+        state = dataclasses.replace(state, index=kvcache.place_index(index, method, mcfg, ccfg))
     return jax.block_until_ready(state), ccfg
 
 
@@ -322,8 +324,7 @@ def sparse_stages(state, ccfg, method, mcfg, qg, repeats) -> tuple[dict, object]
     Timed per call, not in a loop: looped alone, stages ran slower than inside
     the looped step (ParisKV's votes at 64k: 5.8 ms, the whole step 6.3 ms).
     """
-    select_one = kvcache.method_select(method, mcfg, ccfg)
-    select = jax.jit(kvcache.over_batch_heads(lambda ix, qq: select_one(mcfg, ix, qq)))
+    select = jax.jit(kvcache.over_batch_heads(lambda ix, qq: method.select(mcfg, ix, qq)))
     sel = jax.block_until_ready(select(state.index, qg))
     stages = {"select": time_calls(lambda: select(state.index, qg), repeats)}
     if method == pariskv.METHOD:
