@@ -8,6 +8,7 @@ attends it exactly, the baseline a sparse method that reads host KV must beat.
 from __future__ import annotations
 
 from jaxkv import cache as kvcache
+from jaxkv.attention import registry
 
 METHODS = ("dense", "pariskv", "magicpig", "hybrid", "topk", "pqcache")
 # The region cache that carries the host-KV dense baseline: TopK's index is the
@@ -35,7 +36,7 @@ def decode_setup(method: str, offload: bool, kernels: str = "pallas"):
         if not offload:
             return "dense", None, None
         return _HOST_DENSE_CARRIER, None, kvcache.CacheConfig(dense_threshold=_ALWAYS_DENSE, offload=True)
-    config_class = kvcache.method_config_class(method)
+    config_class = registry.get(method).config_class
     mcfg = config_class(kernels=kernels) if method in _KERNEL_METHODS else config_class()
     return method, mcfg, kvcache.CacheConfig(offload=offload)
 

@@ -37,7 +37,6 @@ import numpy as np
 
 import models
 from jaxkv import cache as kvcache
-from jaxkv.sampling import SamplingConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from decode_variants import METHODS, decode_setup  # noqa: E402
@@ -107,8 +106,8 @@ class Request:
     dtype: str = "bfloat16"
 
 
-def decode_loop_args(request: Request, mesh):
-    """(params, spec, first_logits, lengths, states, key) of ``_decode_loop``, abstract, on ``mesh``."""
+def decode_chunk_args(request: Request, mesh):
+    """(params, state, spec) of generate()'s decode-chunk program, params and state abstract on ``mesh``."""
     config = llama_config(request.model, request.layers)
     dtype = jnp.dtype(request.dtype)
     method, mcfg, ccfg = decode_setup(request.method, request.offload)
@@ -117,14 +116,15 @@ def decode_loop_args(request: Request, mesh):
     params = jax.eval_shape(lambda: models.unstack_layers(
         models.init_params(config, jax.random.key(0), dtype), config.num_layers))
     staging = jax.eval_shape(lambda: models.init_cache(config, request.batch, backend.staging_capacity, dtype))
-    lengths = jax.ShapeDtypeStruct((request.batch,), jnp.int32)
-    states = abstract_states(backend, staging, lengths, mesh)
-    spec = _generate._LoopSpec(config, request.new_tokens, SamplingConfig(0.0, None, None),
-                               config.eos_token_ids, backend)
-    first_logits = jax.ShapeDtypeStruct((request.batch, config.vocab_size), dtype)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-    on_device = lambda tree: jax.tree.map(lambda x: placed(x, mesh), tree)
-    return on_device(params), spec, on_device(first_logits), on_device(lengths), states, on_device(key)
+    b = request.batch
+    lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+    row = lambda dtype, *shape: placed(jax.ShapeDtypeStruct((b, *shape), dtype), mesh)
+    state = _generate.DecodeState(
+        caches=abstract_states(backend, staging, lengths, mesh), token=row(jnp.int32), position=row(jnp.int32),
+        emitted=row(jnp.int32), budget=row(jnp.int32), done=row(jnp.bool_), keys=row(jnp.uint32, 2),
+        temperature=row(jnp.float32), top_p=row(jnp.float32))
+    spec = _generate.DecodeSpec(config, backend, _generate._ONE_DEVICE.per_shard, tuple(config.eos_token_ids))
+    return jax.tree.map(lambda x: placed(x, mesh), params), state, spec
 
 
 @contextlib.contextmanager
@@ -188,12 +188,13 @@ def compile_decode_loop(request: Request) -> dict:
     try:
         mesh = h100_mesh()
         report["device_kind"] = mesh.devices.flat[0].device_kind
-        args = decode_loop_args(request, mesh)
-        report["state_bytes"] = state_bytes(args[4])
+        params, state, spec = decode_chunk_args(request, mesh)
+        report["state_bytes"] = state_bytes(state.caches)
         stage = "lower"
         start = time.perf_counter()
         with jax.set_mesh(mesh):
-            lowered = _generate._decode_loop.trace(*args).lower()
+            lowered = _generate._ONE_DEVICE.decode_chunk.trace(params, state, spec=spec,
+                                                                steps=request.new_tokens).lower()
         report["lower_seconds"] = time.perf_counter() - start
         stage = "compile"
         start = time.perf_counter()
