@@ -150,7 +150,7 @@ def _eqn_transfers(eqn) -> Transfers:
     inner = [jaxpr_transfers(j) for j in _subjaxprs(eqn.params)]
     if inner:
         return sum(inner, Transfers())
-    if any(_space(v) == HOST for v in eqn.invars if hasattr(v, "aval")):
+    if any(_space(v) == HOST for v in eqn.invars):
         return Transfers(implicit=(name,))
     return Transfers()
 

@@ -39,13 +39,6 @@ NARRATION = {
     "an issue's place in a series": re.compile(r"\[\d+/\d+\]"),
     "DESIGN.md, which the repository does not contain": re.compile(r"DESIGN\.md"),
 }
-# Pages whose owners are rewriting them on their own branches; strict, so the mark fails
-# (and must be removed) as soon as the page is clean.
-PAGES_BEING_REWRITTEN = {
-    "docs/results/gpu.md": "the GPU page is rewritten with the next GPU check",
-}
-
-
 def _tracked(*paths: str) -> list[str]:
     """Repository-relative paths of the files git tracks under `paths`."""
     try:
@@ -115,13 +108,7 @@ def _prose(path: str) -> str:
     return (ROOT / path).read_text()
 
 
-def _pages():
-    pages = [p for p in _tracked("docs", "notebooks") if p.endswith((".md", ".ipynb"))]
-    return [pytest.param(p, id=p, marks=[pytest.mark.xfail(strict=True, reason=PAGES_BEING_REWRITTEN[p])]
-                         if p in PAGES_BEING_REWRITTEN else []) for p in pages]
-
-
-@pytest.mark.parametrize("page", _pages())
+@pytest.mark.parametrize("page", [p for p in _tracked("docs", "notebooks") if p.endswith((".md", ".ipynb"))])
 def test_page_does_not_narrate(page):
     found = []
     for number, line in enumerate(_prose(page).splitlines(), 1):
