@@ -64,15 +64,17 @@ class Row:
 def rows(context: int) -> list[Row]:
     """The table's methods at their defaults (offloaded, no dense fallback unless said)."""
     offloaded = kvcache.CacheConfig(dense_threshold=0)
+    magicpig_on_host = dataclasses.replace(offloaded, host_index=True)
     return [
         Row("dense, KV on the device", "dense", dense.DenseConfig(), None, "device"),
         Row("dense reading host KV", "pariskv", pariskv.ParisKVConfig(),
             kvcache.CacheConfig(dense_threshold=context + 1), "every row from the host"),
-        Row("MagicPIG", "magicpig", magicpig.MagicPIGConfig(), offloaded, "index on the host"),
+        Row("MagicPIG, index on the host", "magicpig", magicpig.MagicPIGConfig(), magicpig_on_host,
+            "index on the host"),
         # One block of slots: the block loop's trip count is data (the slots in use), its bound
         # is the selection's capacity, which is what one pass over all slots moves.
-        Row("MagicPIG, id lists on the device", "magicpig", magicpig.MagicPIGConfig(),
-            dataclasses.replace(offloaded, host_index=False, slot_block=context), "index on the device"),
+        Row("MagicPIG (default)", "magicpig", magicpig.MagicPIGConfig(),
+            dataclasses.replace(offloaded, slot_block=context), "index on the device"),
         Row("ParisKV", "pariskv", pariskv.ParisKVConfig(), offloaded, "index on the device"),
         Row("hybrid", "hybrid", hybrid.HybridConfig(), offloaded, "index on the device"),
         Row("TopK oracle", "topk", topk.TopKConfig(), offloaded, "index on the device"),

@@ -41,8 +41,9 @@ class CacheConfig:
     offload: keep retrieval K/V in pinned host memory (False: on the device).
     host_index: with offload, keep the index of a method that works in host memory
     (its ``host_config`` hook: MagicPIG) there, beside the rows, and select and
-    attend there; False keeps every index on the device, selecting there and
-    fetching the selected rows (see :func:`host_config`).
+    attend there (see :func:`host_config`). Off by default: XLA's GPU compiler
+    (jaxlib 0.10.2) rejects those host computations (docs/results/gpu.md); every
+    index then stays on the device, selecting there and fetching the selected rows.
     slot_block: slots of a selection gathered and attended at a time on the
     XLA path, for a method whose correction is slot-wise (MagicPIG): blocks
     past the last slot in use are not read.
@@ -53,7 +54,7 @@ class CacheConfig:
     buffer: int | None = None
     dense_threshold: int | None = None
     offload: bool = True
-    host_index: bool = True
+    host_index: bool = False
     slot_block: int = 2048
 
     def __post_init__(self):

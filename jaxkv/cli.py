@@ -116,10 +116,10 @@ def _parse_one(text: str, kind):
     return _UNREAD
 
 
-def config_with_overrides(cls, items: list[str], base=None):
+def config_with_overrides(cls, items: list[str], base=None, prefix: str = ""):
     """Build config class `cls` (or replace fields of `base`, an instance) from `key=value`
-    strings; `field.key=value` sets a field of a nested config. Unknown keys and bad values
-    are usage errors."""
+    strings; `field.key=value` sets a field of a nested config (`prefix`: the keys' path to
+    `cls`, for messages). Unknown keys and bad values are usage errors."""
     names = [f.name for f in dataclasses.fields(cls)]
     hints = fields.type_hints(cls)
     values, nested = {}, {}
@@ -137,12 +137,12 @@ def config_with_overrides(cls, items: list[str], base=None):
         try:
             values[name] = _parse_value(text, hints[name])
         except UsageError as err:
-            raise UsageError(f"--set {name}: {err}") from None
+            raise UsageError(f"--set {prefix}{name}: {err}") from None
     for name, inner_items in nested.items():
         inner_base = values.get(name, getattr(base if base is not None else cls(), name))
         if not dataclasses.is_dataclass(inner_base):
             raise UsageError(f"{cls.__name__}.{name} is not a nested config: no '{name}.' keys")
-        values[name] = config_with_overrides(type(inner_base), inner_items, inner_base)
+        values[name] = config_with_overrides(type(inner_base), inner_items, inner_base, f"{prefix}{name}.")
     try:
         return cls(**values) if base is None else dataclasses.replace(base, **values)
     except ValueError as err:  # the config's own check, naming Class.field
@@ -243,8 +243,6 @@ def _compare_with_dense(args, config, params, tokenizer, ids: list[int]) -> int:
     import models
     from jaxkv.generate import capacity_for, generate, prefill_prompts
 
-    if args.method != "dense":
-        raise UsageError(f"--compare runs dense beside {args.compare}: drop --method {args.method}")
     params = models.unstack_layers(params, config.num_layers)  # split once for both calls
     prefilled = prefill_prompts(params, config, [ids], capacity=capacity_for(len(ids), args.max_new_tokens))
     for method, overrides in (("dense", []), (args.compare, args.set)):
@@ -272,7 +270,10 @@ def cmd_generate(args) -> int:
     from jaxkv.generate import generate
 
     _check_sampling_flags(args)
-    method_config, cache_config = _method_settings(args)
+    if args.compare and args.method != "dense":
+        raise UsageError(f"--compare runs dense beside {args.compare}: drop --method {args.method}")
+    method = args.compare or args.method  # the sparse one of a comparison: the larger cache
+    method_config, cache_config = _method_settings(args, method)
     text = _read_prompt(args)
     source = _model_source(args.model)
     if args.keep_quantized and source.kind != "gguf":
@@ -282,7 +283,7 @@ def cmd_generate(args) -> int:
     ids = tokenizer.encode(prompt)
     _check_context(args, len(ids), source.config)
     # Before the weights load: a request whose caches cannot fit is refused at once.
-    backend = kvcache.make_backend(source.config, args.method, method_config, cache_config,
+    backend = kvcache.make_backend(source.config, method, method_config, cache_config,
                                    len(ids), args.max_new_tokens)
     memory.check_fits(memory.request_need(backend, source.config, batch=1, dtype=jnp.dtype(args.dtype or "float32"),
                                           max_new_tokens=args.max_new_tokens))

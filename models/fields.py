@@ -9,6 +9,7 @@ An ``int`` is an int (not a bool, not 2.5), a ``float`` a finite real number, a
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import numbers
@@ -171,6 +172,8 @@ def _describe_type(kind) -> str:
         return "a str"
     if kind is Any:
         return "any value"
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return "one of " + ", ".join(str(member.value) for member in kind)
     if kind is tuple or origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis and args[0] in (int, float, str, bool):
             return f"a sequence of {args[0].__name__}s"

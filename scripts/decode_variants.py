@@ -19,7 +19,7 @@ _ALWAYS_DENSE = 2**31 - 1
 _KERNEL_METHODS = ("pariskv", "magicpig")
 
 
-def decode_setup(method: str, offload: bool, kernels: str = "pallas"):
+def decode_setup(method: str, offload: bool, kernels: str = "pallas", host_index: bool = False):
     """(generate()'s method, method_config, cache_config) for one variant.
 
     Args:
@@ -27,6 +27,7 @@ def decode_setup(method: str, offload: bool, kernels: str = "pallas"):
         offload: retrieval K/V (and the index's bulk) in pinned host memory.
         kernels: the ``kernels`` setting of a method config that has one
             ("pallas" is what "auto" picks on a GPU).
+        host_index: with offload, MagicPIG's index in host memory (``CacheConfig.host_index``).
     Returns:
         (method name, method config or None, CacheConfig or None), as generate() takes them.
     """
@@ -38,7 +39,7 @@ def decode_setup(method: str, offload: bool, kernels: str = "pallas"):
         return _HOST_DENSE_CARRIER, None, kvcache.CacheConfig(dense_threshold=_ALWAYS_DENSE, offload=True)
     config_class = registry.get(method).config_class
     mcfg = config_class(kernels=kernels) if method in _KERNEL_METHODS else config_class()
-    return method, mcfg, kvcache.CacheConfig(offload=offload)
+    return method, mcfg, kvcache.CacheConfig(offload=offload, host_index=host_index)
 
 
 def label(method: str, offload: bool) -> str:

@@ -104,13 +104,14 @@ class Request:
     new_tokens: int = 16
     batch: int = 1
     dtype: str = "bfloat16"
+    host_index: bool = False  # with offload, MagicPIG's index in host memory
 
 
 def decode_chunk_args(request: Request, mesh):
     """(params, state, spec) of generate()'s decode-chunk program, params and state abstract on ``mesh``."""
     config = llama_config(request.model, request.layers)
     dtype = jnp.dtype(request.dtype)
-    method, mcfg, ccfg = decode_setup(request.method, request.offload)
+    method, mcfg, ccfg = decode_setup(request.method, request.offload, host_index=request.host_index)
     backend = kvcache.make_backend(config, method, mcfg, ccfg, request.context - request.new_tokens,
                                    request.new_tokens)
     params = jax.eval_shape(lambda: models.unstack_layers(
@@ -246,10 +247,12 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=Request.new_tokens)
     parser.add_argument("--batch", type=int, default=Request.batch)
     parser.add_argument("--dtype", default=Request.dtype, choices=("float32", "bfloat16"))
+    parser.add_argument("--host-index", action="store_true",
+                        help="with --offload, MagicPIG's index in host memory (CacheConfig.host_index)")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args(argv)
     request = Request(args.model, args.layers, args.method, args.offload, args.context, args.new_tokens,
-                      args.batch, args.dtype)
+                      args.batch, args.dtype, args.host_index)
     report = compile_decode_loop(request)
     print(summary(report), flush=True)
     if args.json:

@@ -450,7 +450,7 @@ def test_generate_rejects(params, prompts, kwargs, pattern):
     ([[1, 2], 3], {}, r"prompt 1 must be a sequence of int token ids, got 3"),
     ([[1, 2]], {"max_new_tokens": 2.5}, r"max_new_tokens must be an int >= 0, got 2.5"),
     ([[1, 2]], {"max_new_tokens": True}, r"max_new_tokens must be an int >= 0, got True"),
-    ([[1, 2]], {"prefill_chunk": 2.5}, r"prefill_chunk must be an int >= 1, got 2.5"),
+    ([[1, 2]], {"prefill_chunk": 2.5}, r"prefill_chunk must be an int >= 1 or None, got 2.5"),
     ([[1, 2]], {"seed": 1.5}, r"seed must be an int in \[0, 4294967295\], got 1.5"),
     ([[1, 2]], {"temperature": 1.0, "top_k": 2.5}, r"SamplingConfig\.top_k must be an int >= 1 or None, got 2.5"),
     ([[1, 2]], {"temperature": float("inf")}, r"SamplingConfig\.temperature must be a finite number >= 0"),
@@ -493,10 +493,11 @@ def test_a_flat_list_of_ids_is_one_prompt(params):
 def test_a_request_too_large_for_memory_is_refused_before_allocating(params):
     """1e9 positions of the tiny model's cache (~0.5 TiB) cannot fit: both sizes are in the message."""
     with pytest.raises(memory.RequestTooLargeError,
-                       match=r"KV cache needs [\d.]+ GiB of memory \(1 prompt\(s\) x 1000000001 positions "
-                             r"\(prompt \+ max_new_tokens\) x 2 layers"
-                             r".*; [\d.]+ [GMT]iB is available"):
+                       match=r"KV cache needs [\d.]+ GiB of memory \(1 prompt\(s\) x \d+ positions "
+                             r"\(prompt \+ max_new_tokens, rounded up to a compiled capacity\) x 2 layers"
+                             r".*; [\d.]+ [GMT]iB is available") as refused:
         generate(params, CONFIG, [[1]], max_new_tokens=10**9, allow_beyond_context=True)
+    assert int(re.search(r"x (\d+) positions", str(refused.value)).group(1)) >= 10**9 + 1
 
 
 def test_memory_need_counts_the_staging_and_decode_caches():
@@ -596,7 +597,8 @@ def test_cache_config(fields, pattern):
     (hybrid.HybridConfig, {"tail": "sampled"}, r"HybridConfig\.tail must be one of \('regression', 'lsh', 'none'\)"),
     (pariskv.ParisKVConfig, {"seed": -1}, r"ParisKVConfig\.seed must be in \[0, 4294967295\], got -1"),
     (pqcache.PQCacheConfig, {"seed": 2**70}, r"PQCacheConfig\.seed must be in \[0, 4294967295\]"),
-    (dense.DenseConfig, {"kernels": "gpu"}, r"DenseConfig\.kernels must be one of \('xla', 'native'\), got 'gpu'"),
+    (dense.DenseConfig, {"kernels": "gpu"},
+     r"DenseConfig\.kernels must be one of \('auto', 'xla', 'pallas', 'interpret', 'native'\), got 'gpu'"),
 ])
 def test_method_config(cls, fields, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -607,7 +609,7 @@ _SIZE_FIELDS = [(magicpig.MagicPIGConfig, f) for f in ("K", "L", "sink", "local"
     [(pariskv.ParisKVConfig, f) for f in ("m", "top_k", "sink", "local", "buffer", "seed")] + \
     [(pqcache.PQCacheConfig, f) for f in ("n_sub", "n_centroids", "kmeans_iters", "top_k", "sink", "local")] + \
     [(topk.TopKConfig, f) for f in ("top_k", "sink", "local", "buffer")] + \
-    [(hybrid.HybridConfig, f) for f in ("top_k", "K", "L", "sink", "local", "buffer", "m")] + \
+    [(hybrid.HybridConfig, f) for f in ("sink", "local", "buffer")] + \
     [(kvcache.CacheConfig, f) for f in ("sink", "local", "buffer", "dense_threshold", "slot_block")]
 
 

@@ -177,7 +177,7 @@ def _magicpig_decode(offload: bool, steps: int = 12, **cache_kw):
 def test_magicpig_index_lives_in_host_memory_and_decodes_the_same():
     """Offloaded, MagicPIG's whole index stays beside the retrieval rows (its paper's placement:
     the selection and the sampled rows' attention run there) and decodes as on the device."""
-    out_host, state, _ = _magicpig_decode(offload=True)
+    out_host, state, _ = _magicpig_decode(offload=True, host_index=True)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(state.index)} == {"pinned_host"}
     out_device, state_device, _ = _magicpig_decode(offload=False)
     assert state_device.index.sorted_ids.sharding.memory_kind == "device"

@@ -25,11 +25,23 @@ class ByteTokenizer:
         return " ".join(map(str, ids))
 
 
+class TinySource:
+    """What ``cli._model_source`` returns (a ``models.ModelSource``), for the tiny model."""
+
+    path, kind, config, tokenizer = "tiny", "hf", CONFIG, ByteTokenizer()
+
+    def __init__(self, params):
+        self.params = params
+
+    def load(self, dtype=None, *, keep_quantized=False):
+        return CONFIG, self.params, self.tokenizer
+
+
 @pytest.fixture
 def tiny_model(monkeypatch):
     # std 0.02 init makes every logit nearly equal; scale up so greedy choices are clear-cut.
     params = jax.tree.map(lambda x: x * 12 if x.ndim > 1 else x, init_params(CONFIG, jax.random.key(0)))
-    monkeypatch.setattr(cli, "_load_model", lambda path, keep_quantized=False: (CONFIG, params, ByteTokenizer()))
+    monkeypatch.setattr(cli, "_model_source", lambda path, flag="--model": TinySource(params))
 
 
 def compare(capsys, *flags):

@@ -194,7 +194,8 @@ def test_decode_loop_copies_no_dense_layer_cache(method, dtype):
         hlo = _decode_loop_hlo(config, [3 + i % 100 for i in range(80)], 12, "dense", dtype=dtype)
     else:
         config, _, hlo = _magicpig_loop_hlo()
-    capacity = 512  # the staging cache, rounded up to whole prefill chunks
+    chunk = generate_module.default_prefill_chunk(80)
+    capacity = max(80 + 12, -(-80 // chunk) * chunk)  # the staging cache: at least whole prefill chunks
     layer_dims = [f"1,{config.num_kv_heads},{a},{b}"
                   for a, b in ((config.head_dim, capacity), (capacity, config.head_dim))]  # K, V
     writes = _written_in_place(hlo, layer_dims, dtype)

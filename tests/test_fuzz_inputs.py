@@ -23,7 +23,7 @@ from helpers_tiny_models import tiny_config
 from jaxkv import cache as kvcache
 from jaxkv.attention import dense, hybrid, magicpig, pariskv, pqcache, topk
 from jaxkv.generate import generate
-from jaxkv.sampling import SamplingConfig, sample
+from jaxkv.sampling import SamplingConfig, sample_rows
 from models import fields, rope
 
 CONFIG = tiny_config()
@@ -120,7 +120,9 @@ def test_accepted_sampling_settings_pick_an_allowed_token(logits, seed, temperat
         assert re.search(r"temperature|top_k|top_p", str(err)), err
         return
     row = np.asarray(logits, np.float32)
-    token = int(sample(jnp.asarray(row)[None], jax.random.key(seed), cfg)[0])
+    top_p_row = jnp.asarray([1.0 if cfg.top_p is None else cfg.top_p], jnp.float32)
+    token = int(sample_rows(jnp.asarray(row)[None], jax.random.key(seed)[None],
+                            jnp.asarray([cfg.temperature], jnp.float32), top_p_row, cfg.top_k)[0])
     assert 0 <= token < row.size
     if cfg.temperature == 0:
         assert row[token] == row.max()

@@ -82,3 +82,13 @@ def test_decode_loop_compiles_for_h100(tmp_path, method, offload):
         assert offload or "gather_attention" in kernels
     else:
         assert not kernels
+
+
+def test_magicpig_with_its_index_on_the_host_is_refused_by_xla(tmp_path):
+    """MagicPIG's paper placement (``CacheConfig(host_index=True)``: sampling and attention in
+    host computations) does not compile for a GPU with this jaxlib, which is why it is not the
+    default (docs/architecture.md, "Data movement"). A jaxlib that compiles it fails this test:
+    then the default can move to the placement that moves fewer bytes."""
+    report = deviceless_compile(tmp_path, "--method", "magicpig", "--offload", "--host-index", "--layers", "2")
+    assert not report["ok"] and report["stage"] == "compile", report
+    assert "to be called only by one caller and that caller to be a While" in report["error"], report["error"]

@@ -170,7 +170,7 @@ def _edge_case(case, seed):
 def test_estimate_is_finite_on_edge_cases(case):
     q, k, v = _edge_case(case, 30)
     # a 2-of-2 match of 16-bit codes: nobody collides
-    cfg = _with_tail(CFG, K=16, L=2) if case == "empty sample" else CFG
+    cfg = _with_tail(CFG, K=16, L=2, candidate_capacity=2.0) if case == "empty sample" else CFG
     out, read = attend(cfg, q, k, v)
     assert np.all(np.isfinite(np.asarray(out)))
     if case in ("zero query", "zero keys", "identical keys"):
@@ -340,9 +340,9 @@ def test_the_command_line_sets_the_nested_configs_by_dotted_keys():
     assert cfg == HybridConfig(pariskv=ParisKVConfig(top_k=2048, kernels="xla"), tail="lsh",
                                magicpig=MagicPIGConfig(L=100), local=128)
     assert cfg.head_config().local == cfg.tail_config().local == 128  # the hybrid's regions are the parts'
-    with pytest.raises(cli.UserError, match="ParisKVConfig has no field 'topk'"):
+    with pytest.raises(cli.UsageError, match="ParisKVConfig has no field 'topk'"):
         cli.config_with_overrides(HybridConfig, ["pariskv.topk=5"])
-    with pytest.raises(cli.UserError, match="HybridConfig.tail is not a nested config"):
+    with pytest.raises(cli.UsageError, match="HybridConfig.tail is not a nested config"):
         cli.config_with_overrides(HybridConfig, ["tail.x=1"])
-    with pytest.raises(cli.UserError, match="'fast' is not one of auto, xla, pallas, interpret, native"):
+    with pytest.raises(cli.UsageError, match="--set magicpig.kernels: cannot read 'fast' as one of auto, xla, pallas, interpret, native"):
         cli.config_with_overrides(HybridConfig, ["magicpig.kernels=fast"])

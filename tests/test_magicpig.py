@@ -276,7 +276,7 @@ def test_short_context_is_exact():
 
 
 def test_empty_sample_set_leaves_the_exact_part():
-    cfg = dataclasses.replace(SMALL, K=12, L=2)  # two 12-bit matches: P ≈ 280·2^-24 that any key does
+    cfg = dataclasses.replace(SMALL, K=12, L=2, candidate_capacity=2.0)  # two 12-bit matches: P ≈ 280·2^-24 that any key does
     q, keys, values = offset_keys(7, 300)
     out, n_read = mp.attend(cfg, q, keys, values, LAYER_KEY)
     assert int(n_read) == 20
@@ -293,7 +293,7 @@ def test_degenerate_inputs_give_finite_outputs(case):
         keys = jnp.zeros_like(keys)
     else:
         keys = jnp.broadcast_to(keys[:1], keys.shape)
-    cfg = dataclasses.replace(SMALL, K=2, L=6)  # coarse codes: degenerate keys do get sampled
+    cfg = dataclasses.replace(SMALL, K=2, L=6, candidate_capacity=6.0)  # coarse codes: degenerate keys do get sampled
     out, n_read = mp.attend(cfg, q, keys, values, LAYER_KEY)
     assert np.all(np.isfinite(out)) and 20 <= int(n_read) <= 300
     if case != "zero query":

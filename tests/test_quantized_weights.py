@@ -15,7 +15,7 @@ import pytest
 
 import jaxkv
 import models
-from helpers_tiny_models import tiny_config
+from helpers_tiny_models import tiny_config, write_random_hf_checkpoint
 from jaxkv import sharding
 from models import native, quantized
 
@@ -181,7 +181,7 @@ def test_bad_blocks_are_refused():
 
 
 def test_keep_quantized_needs_a_gguf_file(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
+    write_random_hf_checkpoint(tmp_path, tiny_config())
     with pytest.raises(models.ModelError, match="gguf files only"):
         models.load(tmp_path, keep_quantized=True)
 

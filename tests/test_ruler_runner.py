@@ -11,6 +11,7 @@ import types
 import pytest
 
 from jaxkv import cli
+from jaxkv.attention import registry
 from jaxkv.eval import ruler, ruler_runner as rr
 
 
@@ -146,7 +147,8 @@ def test_default_methods_disable_dense_fallback_and_fit_ten_percent_at_8k():
     for label in ("pariskv", "hybrid", "topk"):  # the hybrid's regression tail reads no K/V row
         c = methods[label].cache_config
         # worst case: sink + full local window + full buffer + top_k exact rows
-        assert (c.sink + c.local + c.buffer + methods[label].method_config.top_k) / 8192 <= 0.10
+        top_k = registry.get(methods[label].method).top_k(methods[label].method_config)
+        assert (c.sink + c.local + c.buffer + top_k) / 8192 <= 0.10
 
 
 def test_index_bytes_per_key_match_design():

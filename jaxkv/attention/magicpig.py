@@ -134,8 +134,8 @@ def is_dense_layer(cfg: MagicPIGConfig, layer: int) -> bool:
 
 
 def host_config(cfg: MagicPIGConfig) -> MagicPIGConfig | None:
-    """The config the cache runs MagicPIG with in host memory when it offloads: the paper's
-    placement. The whole index (its id lists: 4·L bytes per key, more than bf16 K and V at
+    """The config the cache runs MagicPIG with in host memory when it offloads with
+    ``CacheConfig(host_index=True)``: the paper's placement. The whole index (its id lists: 4·L bytes per key, more than bf16 K and V at
     L = 150) stays beside the retrieval rows, and the query's bucket lookup, the sampling,
     the attention over the sampled rows and the insertion of flushed keys run there, on the
     XLA path (no GPU kernel runs on the host). Only the query goes in and the partial comes

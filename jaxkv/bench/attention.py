@@ -211,9 +211,6 @@ class _MagicPIGIndexApart(magicpig.MagicPIG):
     def build(self, cfg, keys, values, n, key):
         return ()
 
-    def host_index_fields(self, cfg):
-        return ()  # nothing to place yet: region_state places the index built apart
-
 
 @functools.partial(jax.jit, static_argnames=("method", "mcfg", "ccfg", "capacity"))
 def _regions(staging_k, staging_v, lengths, *, method, mcfg, ccfg, capacity):
