@@ -297,7 +297,7 @@ def cmd_generate(args) -> int:
         allow_beyond_context=args.allow_beyond_context,
         eos_ids=() if args.ignore_eos else None)
     print(tokenizer.decode(result.tokens[0]))
-    print(f"[{args.method}] prompt {len(ids)} tokens, generated {len(result.tokens[0])}; "
+    print(f"[{args.method}] prompt {len(ids)} tokens, generated {len(result.tokens[0])} tokens; "
           f"compile {result.compile_seconds:.2f} s; prefill {result.prefill_tokens_per_second:.1f} tok/s "
           f"({result.prefill_seconds:.2f} s); decode {result.decode_tokens_per_second:.1f} tok/s "
           f"({result.decode_seconds:.2f} s)", file=sys.stderr)

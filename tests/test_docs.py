@@ -359,10 +359,13 @@ def _flag(argv: list[str], flag: str, default: str | None = None) -> str | None:
 
 
 def _check_generate(argv, out_dir, out, err):
-    method = _flag(argv, "--method", "dense")
+    compared = _flag(argv, "--compare")
+    methods = ["dense", compared] if compared else [_flag(argv, "--method", "dense")]
     assert out.strip(), "no answer printed"
-    # ^ after a newline or a carriage return: a progress bar ends its line with \r, not \n
-    assert re.search(rf"(^|\r)\[{method}\] prompt \d+ tokens, .* generated [12] tokens", err, re.M), err[-2000:]
+    for method in methods:  # --compare labels its method with its --set items: "[pariskv, kernels=native]"
+        # ^ after a newline or a carriage return: a progress bar ends its line with \r, not \n
+        assert re.search(rf"(^|\r)\[{method}[],].* prompt \d+ tokens, .*generated [12] tokens; compile [\d.]+ s",
+                         err, re.M), err[-2000:]
 
 
 def _check_attention_error(argv, out_dir, out, err):

@@ -91,5 +91,5 @@ def test_cli_generate_takes_a_dtype(tmp_path, capsys, monkeypatch, dtype):
     assert cli_main(["generate", "--model", str(directory), "--prompt", "w5 w6 w7", "--max-new-tokens", "4",
                      "--dtype", dtype, "--ignore-eos"]) == 0
     out = capsys.readouterr()
-    assert len(out.out.split()) == 4 and "generated 4;" in out.err
+    assert len(out.out.split()) == 4 and "generated 4 tokens;" in out.err
     assert models.activation_dtype(loaded[0][1]) == jnp.dtype(dtype)
