@@ -149,7 +149,7 @@ def machine_rates() -> dict:
     rate (2048², both cores), measured now: the references of the bytes and FLOP floors."""
     import time
 
-    from bench_attention import memory_bandwidth
+    from jaxkv.bench.attention import memory_bandwidth
 
     a = jnp.ones((2048, 2048), jnp.float32)
     matmul = jax.jit(jnp.matmul)
