@@ -130,7 +130,7 @@ def host_take(store, flat_idx, shape):
     moved rows failed to compile ("Bitcast cannot have different memory spaces").
     """
     take = functools.partial(_take_rows, shape=shape)
-    return jax.device_put(offload.on_host(take)(store, jax.device_put(flat_idx, HOST)), DEVICE)
+    return offload.to_device(offload.on_host(take)(store, offload.to_host(flat_idx)))
 
 
 def gather_rows(store, idx, ccfg):
@@ -423,7 +423,7 @@ def _leading_rows(store, n: int, ccfg):
         return store[:, :, :n]
     if n < store.shape[2]:
         store = offload.on_host(lambda x: x[:, :, :n])(store)
-    return jax.device_put(store, DEVICE)
+    return offload.to_device(store)
 
 
 def _retrieval_dense(q, state: RegionKV, ccfg, every_short):

@@ -52,9 +52,8 @@ def request_need(backend: kvcache.Backend, config, *, batch: int, dtype, max_new
         retrieval = row * backend.retrieval_capacity * sparse_layers
     offload = bool(backend.cache and backend.cache.offload and sparse_layers)
     device = staging + row * backend.staging_capacity * dense_layers + exact + 4 * batch * max_new_tokens
-    why = (f"{batch} prompt(s) x {backend.staging_capacity} positions (prompt + max_new_tokens, rounded up to a compiled "
-           f"capacity) x "
-           f"{config.num_layers} layers x "
+    why = (f"{batch} prompt(s) x {backend.staging_capacity} positions (prompt + max_new_tokens, rounded up to "
+           f"a compiled capacity) x {config.num_layers} layers x "
            f"{config.num_kv_heads} KV heads x {config.head_dim} x K and V x {np.dtype(dtype).itemsize} bytes"
            + ("" if prefilled else ", the prefill's cache and the decode caches alive together"))
     return Need(device=device + (0 if offload else retrieval), host=retrieval if offload else 0, why=why)
