@@ -606,5 +606,16 @@ def _raise_terminated(signum, frame):
     raise Terminated
 
 
+def console_main() -> None:
+    """The `jaxkv` command: `main()`, then exit with its status."""
+    status = main()
+    if status in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+        # Stopping already: a second Ctrl-C during interpreter exit would otherwise kill the
+        # process by SIGINT (status -2) instead of letting it exit 130.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

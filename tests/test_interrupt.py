@@ -170,3 +170,18 @@ def test_deferred_signals_hold_ctrl_c_until_the_block_ends():
             reached_end_of_block = True
     assert reached_end_of_block
     assert signal.getsignal(signal.SIGINT) is handler
+
+
+EXITING = textwrap.dedent("""
+    import atexit, os, signal
+    from jaxkv import cli
+    cli.main = lambda: cli.EXIT_INTERRUPTED
+    atexit.register(os.kill, os.getpid(), signal.SIGINT)  # Ctrl-C again while the interpreter exits
+    cli.console_main()
+""")
+
+
+def test_a_second_ctrl_c_while_exiting_keeps_the_status():
+    done = subprocess.run([sys.executable, "-c", EXITING], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                          timeout=120)
+    assert (done.returncode, done.stderr) == (130, "")
