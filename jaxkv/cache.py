@@ -21,6 +21,7 @@ from jaxkv import native, offload
 from models import fields, row_values, rows_to_store, stored_rows
 from jaxkv.attention import common, dense, registry
 from jaxkv.attention.method import SparseMethod
+from jaxkv.attention.shards import ContextShards, merge_partials
 from pallas_kernels import dispatch
 
 HOST = jax.memory.Space.Host
@@ -97,6 +98,11 @@ class RegionKV:
     retr_len: jax.Array  # [B] int32
     keys_read: jax.Array  # [B] float32, distinct keys read per KV head, summed over steps
     keys_seen: jax.Array  # [B] float32, context length summed over steps
+
+
+# With the retrieval region split over a context axis (ContextShards), these fields hold a
+# shard's own rows, index and count; the others are the same on every shard.
+RETRIEVAL_FIELDS = ("retr_k", "retr_v", "index", "retr_len")
 
 
 def _host(x, ccfg):
@@ -206,16 +212,20 @@ def _over_batch_heads_for_insert(method, mcfg):
 
 
 def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: CacheConfig,
-                         capacity: int, key=None) -> RegionKV:
+                         capacity: int, key=None, context: ContextShards | None = None) -> RegionKV:
     """Split one layer's prefilled K and V (both head-major [B, Hkv, T, hd], rows or a cache's
     bits) into the four regions, each holding bfloat16 rows as bits (``models.stored_rows``).
 
     ``key`` is handed to the method's ``build``. generate() passes None: MagicPIG then
     hashes every layer and head with its one seeded projection, as the official code does.
+    With ``context`` (inside shard_map over its axis) the retrieval region and its index are
+    this shard's part: rows ``rows_per_shard`` times its place onwards, in a store of
+    ``context.local_capacity`` rows.
     """
     s, w, u = ccfg.sink, ccfg.local, ccfg.buffer
     b, h, t, hd = staging_k.shape
-    pad = max(0, s + capacity + w + u - t)
+    extent = capacity if context is None else max(capacity, context.count * context.rows_per_shard + u)
+    pad = max(0, s + extent + w + u - t)
     k = jnp.pad(stored_rows(staging_k), ((0, 0), (0, 0), (0, pad), (0, 0)))
     v = jnp.pad(stored_rows(staging_v), ((0, 0), (0, 0), (0, pad), (0, 0)))
     sink_len = jnp.minimum(lengths, s)
@@ -228,11 +238,18 @@ def regions_from_prefill(staging_k, staging_v, lengths, *, method, mcfg, ccfg: C
     win_start = lengths - win_len
     win_k = jax.vmap(window)(k, win_start)
     win_v = jax.vmap(window)(v, win_start)
-    retr_k = k[:, :, s:s + capacity]
-    retr_v = v[:, :, s:s + capacity]
+    if context is None:
+        retr_k, retr_v = k[:, :, s:s + capacity], v[:, :, s:s + capacity]
+    else:
+        first = context.index() * context.rows_per_shard
+        retr_k, retr_v = (jax.lax.dynamic_slice_in_dim(x, s + first, context.local_capacity, axis=2) for x in (k, v))
+        retr_len = jnp.clip(retr_len - first, 0, context.rows_per_shard)
     n = jnp.broadcast_to(retr_len[:, None], (b, h))
-    index = over_batch_heads(lambda kk, vv, nn: method.build(mcfg, kk, vv, nn, key))(
-        row_values(retr_k), row_values(retr_v), n)
+    if context is None:
+        build = lambda kk, vv, nn: method.build(mcfg, kk, vv, nn, key)  # noqa: E731
+    else:
+        build = lambda kk, vv, nn: method.build_sharded(mcfg, kk, vv, nn, key, context)  # noqa: E731
+    index = over_batch_heads(build)(row_values(retr_k), row_values(retr_v), n)
     index = place_index(index, method, mcfg, ccfg)
     return RegionKV(
         sink_k=k[:, :, :s], sink_v=v[:, :, :s], win_k=win_k, win_v=win_v,
@@ -266,7 +283,7 @@ def _write_and_insert(retr_k, retr_v, index, new_k, new_v, start, count, *, meth
     return _write_rows_here(retr_k, start, new_k, live), _write_rows_here(retr_v, start, new_v, live), index
 
 
-def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
+def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig, context: ContextShards | None = None) -> RegionKV:
     """Move the oldest U window tokens of every full row into retrieval and its index.
 
     The window is a ring: the moved tokens' slots are freed by advancing
@@ -278,13 +295,17 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
     host: they are written there contiguously at the row's retrieval length, and a
     host-resident index (:func:`host_config`) inserts them in the same host
     computation. A device-resident index inserts them on the device.
+
+    With ``context``, every shard frees the window alike and the shard that holds the next
+    positions (``context.first_open``) takes the rows: nothing crosses shards but that choice.
     """
     w, u = ccfg.local, ccfg.buffer
     full = state.win_len == w + u
+    taken = full if context is None else full & (context.first_open(state.retr_len) == context.index())
     b, h = state.win_k.shape[:2]
     oldest = _window_slots(state, jnp.zeros_like(state.win_start), u)
     new_k, new_v = _window_rows(state.win_k, oldest), _window_rows(state.win_v, oldest)
-    count = jnp.broadcast_to(jnp.where(full, u, 0)[:, None], (b, h)).astype(jnp.int32)
+    count = jnp.broadcast_to(jnp.where(taken, u, 0)[:, None], (b, h)).astype(jnp.int32)
     hcfg = host_config(method, mcfg, ccfg)
     if hcfg is not None:
         write_and_insert = functools.partial(_write_and_insert, method=method, mcfg=hcfg)
@@ -292,20 +313,20 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
             state.retr_k, state.retr_v, state.index, *offload.to_host((new_k, new_v, state.retr_len, count)))
     else:
         index = _insert(state.index, row_values(new_k), row_values(new_v), count, method=method, mcfg=mcfg)
-        retr_k = write_rows(state.retr_k, state.retr_len, new_k, full, ccfg)
-        retr_v = write_rows(state.retr_v, state.retr_len, new_v, full, ccfg)
+        retr_k = write_rows(state.retr_k, state.retr_len, new_k, taken, ccfg)
+        retr_v = write_rows(state.retr_v, state.retr_len, new_v, taken, ccfg)
     moved = jnp.where(full, u, 0)
     return dataclasses.replace(
         state, retr_k=retr_k, retr_v=retr_v, index=index,
         win_start=(state.win_start + moved) % state.win_k.shape[2],
-        win_len=state.win_len - moved, retr_len=state.retr_len + moved)
+        win_len=state.win_len - moved, retr_len=state.retr_len + jnp.where(taken, u, 0))
 
 
-def _flush_if_full(state: RegionKV, *, method, mcfg, ccfg: CacheConfig) -> RegionKV:
+def _flush_if_full(state: RegionKV, *, method, mcfg, ccfg: CacheConfig, context=None) -> RegionKV:
     """The state with every full window row flushed (no row is full after it)."""
     return jax.lax.cond(
         jnp.any(state.win_len == ccfg.local + ccfg.buffer),
-        functools.partial(flush, method=method, mcfg=mcfg, ccfg=ccfg), lambda st: st, state)
+        functools.partial(flush, method=method, mcfg=mcfg, ccfg=ccfg, context=context), lambda st: st, state)
 
 
 def _put_rows(buf, x, where, keep):
@@ -444,30 +465,38 @@ def _retrieval_dense(q, state: RegionKV, ccfg, every_short):
     return part, state.retr_len.astype(jnp.float32)
 
 
-def _retrieval(q, state: RegionKV, context, *, method, mcfg, ccfg, batch_axis):
+def _retrieval(q, state: RegionKV, lengths, *, method, mcfg, ccfg, batch_axis, context=None):
     """The retrieval region's partial and keys read per row: exact (:func:`_retrieval_dense`) while
-    any row's context is below ``ccfg.dense_threshold`` (0: never; no fallback is compiled),
-    the method's estimate otherwise. With batch_axis the decision spans every shard's rows."""
-    sparse = functools.partial(_retrieval_sparse, q, state, method=method, mcfg=mcfg, ccfg=ccfg)
+    any row's context (lengths [B]) is below ``ccfg.dense_threshold`` (0: never; no fallback is
+    compiled), the method's estimate otherwise. With batch_axis the decision spans every
+    shard's rows; with ``context`` each shard's partial and reads are summed over the shards."""
+    sparse = functools.partial(_retrieval_sparse, q, state, method=method, mcfg=mcfg, ccfg=ccfg, context=context)
     if not ccfg.dense_threshold:
-        return sparse()
-    short = context < ccfg.dense_threshold
-    some_short, long_rows = jnp.any(short).astype(jnp.int32), jnp.sum(~short, dtype=jnp.int32)
-    if batch_axis is not None:
-        some_short, long_rows = jax.lax.psum((some_short, long_rows), batch_axis)
-    return jax.lax.cond(some_short > 0, lambda: _retrieval_dense(q, state, ccfg, long_rows == 0), sparse)
+        part, reads = sparse()
+    else:
+        short = lengths < ccfg.dense_threshold
+        some_short, long_rows = jnp.any(short).astype(jnp.int32), jnp.sum(~short, dtype=jnp.int32)
+        if batch_axis is not None:
+            some_short, long_rows = jax.lax.psum((some_short, long_rows), batch_axis)
+        part, reads = jax.lax.cond(some_short > 0, lambda: _retrieval_dense(q, state, ccfg, long_rows == 0), sparse)
+    if context is None:
+        return part, reads
+    return merge_partials(part, context), context.total(reads)
 
 
-def _keys_and_correction(q, state: RegionKV, sel, *, method, mcfg, ccfg):
+def _keys_and_correction(q, state: RegionKV, sel, *, method, mcfg, ccfg, context=None):
     """(the selected key rows, the method's score correction for them: None or [B, H, G, C])."""
     k_rows = gather_rows(state.retr_k, sel.idx, ccfg)
-    return k_rows, over_batch_heads(lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s))(
-        state.index, q, k_rows, sel)
+    if context is None:
+        correct = lambda ix, qq, kr, s: method.correction(mcfg, ix, qq, kr, s)  # noqa: E731
+    else:
+        correct = lambda ix, qq, kr, s: method.correction_sharded(mcfg, ix, qq, kr, s, context)  # noqa: E731
+    return k_rows, over_batch_heads(correct)(state.index, q, k_rows, sel)
 
 
-def _attend_rows(q, state: RegionKV, sel, *, method, mcfg, ccfg) -> common.Partial:
+def _attend_rows(q, state: RegionKV, sel, *, method, mcfg, ccfg, context=None) -> common.Partial:
     """Partial over the selection's rows (not its ``rest``): gather K, correct, gather V, attend."""
-    k_rows, log_weight = _keys_and_correction(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
+    k_rows, log_weight = _keys_and_correction(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg, context=context)
     v_rows = gather_rows(state.retr_v, sel.idx, ccfg)
     return over_batch_heads(common.partial_attention)(q, k_rows, v_rows, sel.mask, log_weight)
 
@@ -478,7 +507,7 @@ def _used_slots(sel) -> jax.Array:
     return jnp.max(jnp.where(live, jnp.arange(1, live.shape[-1] + 1), 0))
 
 
-def _attend_rows_by_blocks(q, state: RegionKV, sel, *, method, mcfg, ccfg) -> common.Partial:
+def _attend_rows_by_blocks(q, state: RegionKV, sel, *, method, mcfg, ccfg, context=None) -> common.Partial:
     """:func:`_attend_rows` over blocks of ``ccfg.slot_block`` slots, up to the last used one.
 
     A sampling method sizes its selection for the largest sample it allows
@@ -498,7 +527,7 @@ def _attend_rows_by_blocks(q, state: RegionKV, sel, *, method, mcfg, ccfg) -> co
     def one_block(j, acc):
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, j * block, block, axis=x.ndim - 1)
         part = _attend_rows(q, state, common.Selection(idx=take(idx), mask=take(mask)),
-                            method=method, mcfg=mcfg, ccfg=ccfg)
+                            method=method, mcfg=mcfg, ccfg=ccfg, context=context)
         return over_batch_heads(common.merge)(acc, part)
 
     g, hd = q.shape[-2:]
@@ -531,7 +560,7 @@ def _retrieval_on_host(q, state: RegionKV, hcfg, *, method, ccfg):
     return offload.to_device(offload.on_host(estimate)(offload.to_host(q), state.index, state.retr_k, state.retr_v))
 
 
-def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
+def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg, context=None):
     """The method's estimate over the retrieval region: select, gather, correct, attend.
 
     With a host-resident index (:func:`host_config`: MagicPIG offloaded) all of it
@@ -548,16 +577,23 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     gather-attention kernel's in-kernel gather has nothing left to save, and on the
     one GPU run the kernel lost to XLA's fused attention at 2,048 rows
     (docs/results/gpu.md). The step's cost there is the rows' transfer.
+
+    With ``context`` the method selects this shard's rows (``select_sharded``): the partial
+    and reads are the shard's own.
     """
     hcfg = host_config(method, mcfg, ccfg)
     if hcfg is not None:
         return _retrieval_on_host(q, state, hcfg, method=method, ccfg=ccfg)
-    sel = over_batch_heads(lambda ix, qq: method.select(mcfg, ix, qq))(state.index, q)
+    if context is None:
+        select = lambda ix, qq: method.select(mcfg, ix, qq)  # noqa: E731
+    else:
+        select = lambda ix, qq: method.select_sharded(mcfg, ix, qq, context)  # noqa: E731
+    sel = over_batch_heads(select)(state.index, q)
     kernels = method.kernels(mcfg)
     if not ccfg.offload and kernels.uses_pallas():
         # The kernel gathers rows of the device-resident region itself: no copy of V.
         # Only a correction needs k_rows on this path; XLA drops the gather otherwise.
-        _, log_weight = _keys_and_correction(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
+        _, log_weight = _keys_and_correction(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg, context=context)
 
         def one_row(q, k, v, idx, mask, log_weight):
             return dispatch.gather_attention_heads(q, k, v, idx, mask, log_weight, kernels=kernels)
@@ -568,29 +604,32 @@ def _retrieval_sparse(q, state: RegionKV, *, method, mcfg, ccfg):
     elif attends_in_place(method, mcfg, state.retr_k):
         read = attend_rows_in_place(q, state, sel, method=method, mcfg=mcfg)
     elif method.slot_wise_correction and sel.idx.shape[-1] > ccfg.slot_block:
-        read = _attend_rows_by_blocks(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
+        read = _attend_rows_by_blocks(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg, context=context)
     else:
-        read = _attend_rows(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg)
+        read = _attend_rows(q, state, sel, method=method, mcfg=mcfg, ccfg=ccfg, context=context)
     part = over_batch_heads(common.with_rest)(read, sel)
     reads = jnp.mean(over_batch_heads(lambda s: s.distinct_rows())(sel).astype(jnp.float32), axis=1)
     return part, reads
 
 
 def region_attention(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg: CacheConfig,
-                     batch_axis: str | None = None):
+                     batch_axis: str | None = None, context: ContextShards | None = None):
     """Decode-step attention (T = 1) through the four regions: a flush if a window is full,
     then :func:`region_step`.
 
     batch_axis: the mesh axis the batch is split over when this runs per shard
     (jaxkv.sharding); the dense fallback is then decided for the whole batch,
     as on one device, not per shard.
+    context: the retrieval region's split over a mesh axis (``jaxkv.sharding``'s ``context``),
+    when this runs per shard of it: the state's retrieval fields are the shard's own.
     """
-    state = _flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg)
-    return region_step(q, k, v, positions, state, method=method, mcfg=mcfg, ccfg=ccfg, batch_axis=batch_axis)
+    state = _flush_if_full(state, method=method, mcfg=mcfg, ccfg=ccfg, context=context)
+    return region_step(q, k, v, positions, state, method=method, mcfg=mcfg, ccfg=ccfg, batch_axis=batch_axis,
+                       context=context)
 
 
 def region_step(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg: CacheConfig,
-                batch_axis: str | None = None):
+                batch_axis: str | None = None, context: ContextShards | None = None):
     """:func:`region_attention` of a state whose windows have room (no flush): the token
     written, the regions attended and merged."""
     if q.shape[1] != 1:
@@ -601,13 +640,14 @@ def region_step(q, k, v, positions, state: RegionKV, *, method, mcfg, ccfg: Cach
     qg = q[:, 0].reshape(b, hkv, hq // hkv, hd)
     state = _write_token(state, k[:, 0], v[:, 0], pos, ccfg)
     exact = _exact_partial(qg, state, method=method, mcfg=mcfg)
-    context = pos + 1
-    retrieval, reads = _retrieval(qg, state, context, method=method, mcfg=mcfg, ccfg=ccfg, batch_axis=batch_axis)
+    lengths = pos + 1
+    retrieval, reads = _retrieval(qg, state, lengths, method=method, mcfg=mcfg, ccfg=ccfg, batch_axis=batch_axis,
+                                  context=context)
     out = over_batch_heads(lambda a, r: common.finalize(common.merge(a, r)))(exact, retrieval)
     state = dataclasses.replace(
         state,
         keys_read=state.keys_read + reads + (state.sink_len + state.win_len).astype(jnp.float32),
-        keys_seen=state.keys_seen + context.astype(jnp.float32))
+        keys_seen=state.keys_seen + lengths.astype(jnp.float32))
     return out.reshape(b, 1, hq, hd).astype(q.dtype), state
 
 
@@ -653,6 +693,7 @@ class Backend:
     cache: CacheConfig | None
     staging_capacity: int
     retrieval_capacity: int
+    context: ContextShards | None = None  # the retrieval region split over a mesh axis
 
     @property
     def sparse_method(self) -> SparseMethod:
@@ -677,7 +718,7 @@ class Backend:
                           and native.available("jaxkv_dense_decode"))
         dense_layer = dense.cached_attention(native_kernels)
         sparse = functools.partial(region_attention, method=self.sparse_method,
-                                   mcfg=self.method_config, ccfg=self.cache)
+                                   mcfg=self.method_config, ccfg=self.cache, context=self.context)
         return tuple(dense_layer if l in self.dense_layers else sparse for l in range(self.num_layers))
 
     def from_prefill(self, staging: models.KVCache, lengths):
@@ -697,13 +738,33 @@ class Backend:
 @functools.partial(jax.jit, static_argnames=("backend",))
 def _layer_regions(backend: Backend, k, v, lengths) -> RegionKV:
     return regions_from_prefill(k, v, lengths, method=backend.sparse_method, mcfg=backend.method_config,
-                                ccfg=backend.cache, capacity=backend.retrieval_capacity)
+                                ccfg=backend.cache, capacity=backend.retrieval_capacity, context=backend.context)
+
+
+def _context_shards(context, method: str, mcfg, capacity: int, buffer: int) -> ContextShards | None:
+    """The retrieval region's split for ``context`` = (mesh axis, shards), or None; ValueError for a
+    method that cannot split it."""
+    if context is None:
+        return None
+    method_obj = registry.get(method)
+    if not method_obj.splits_context(mcfg):
+        able = [n for n in registry.names() if registry.get(n).splits_context(registry.get(n).config_class())]
+        raise ValueError(f"method {method!r} (with these settings) does not split its retrieval region over the mesh's "
+                         f"{context[0]!r} axis; methods that do at their defaults: {', '.join(able)}")
+    return ContextShards.split(*context, capacity, buffer)
 
 
 def make_backend(config, method: str, method_config, cache_config, max_prompt: int,
-                 max_new_tokens: int) -> Backend:
-    """Validate a generate() request and size every cache for it."""
+                 max_new_tokens: int, context: tuple[str, int] | None = None) -> Backend:
+    """Validate a generate() request and size every cache for it.
+
+    context: (mesh axis, its size) to split each sparse layer's retrieval region over
+    (``jaxkv.sharding``'s ``context`` axis), or None.
+    """
     total = max_prompt + max_new_tokens
+    if method == registry.DENSE and context is not None and context[1] > 1:
+        raise ValueError(f"method='dense' keeps every layer's cache whole: a {context[0]!r} axis of size "
+                         f"{context[1]} needs a sparse method that splits its retrieval region")
     if method == registry.DENSE:
         if method_config is not None and not isinstance(method_config, dense.DenseConfig):
             raise ValueError(f"method_config for 'dense' must be a DenseConfig, got {type(method_config).__name__}")
@@ -720,4 +781,5 @@ def make_backend(config, method: str, method_config, cache_config, max_prompt: i
     # slack of one buffer keeps a flush's writes in bounds.
     capacity = max(total - ccfg.sink - ccfg.local, 0) + ccfg.buffer
     # Dense layers and the prefill staging cache keep every position.
-    return Backend(config.num_layers, method, mcfg, ccfg, total, capacity)
+    return Backend(config.num_layers, method, mcfg, ccfg, total, capacity,
+                   _context_shards(context, method, mcfg, capacity, ccfg.buffer))

@@ -1,4 +1,5 @@
-"""Sharded decoding on a JAX mesh: a ``data`` axis for the batch, a ``model`` axis for heads.
+"""Sharded decoding on a JAX mesh: a ``data`` axis for the batch, a ``model`` axis for heads,
+and optionally a ``context`` axis that splits each sparse layer's retrieval region.
 
 What lives where (PartitionSpecs over the mesh axes ``("data", "model")``):
 
@@ -22,6 +23,13 @@ host's) shard, with no collective. The projections, the MLP and the LM head
 are left to XLA's partitioner (the ``wo`` and ``w_down`` contractions over the
 sharded axis end in an all-reduce over ``model``).
 
+With a ``context`` axis (``make_mesh(data, model, context=C)``) the retrieval region
+of every sparse layer is split into C contiguous shards (``jaxkv.attention.shards``):
+its K/V, index and row count (``cache.RETRIEVAL_FIELDS``) get a leading shard axis on
+``context``; sink and window stay whole on every shard, which attends them alike.
+Each shard selects its rows among the one-device selection with the method's
+``select_sharded`` and attends them; the partials merge by log-sum-exp.
+
 All of this happens at the boundary of generate()'s jitted programs
 (:class:`MeshJit`: arguments placed and declared as in_shardings); generate()
 uses this module only when given a mesh.
@@ -31,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 
 import jax
 import numpy as np
@@ -41,8 +50,9 @@ from jax.sharding import PartitionSpec as P
 import models
 from jaxkv import cache as kvcache
 
-DATA, MODEL = "data", "model"
+DATA, MODEL, CONTEXT = "data", "model", "context"
 AXES = (DATA, MODEL)
+CONTEXT_AXES = (DATA, MODEL, CONTEXT)
 
 # Per-layer parameter specs without the leading layer axis; absent names are replicated.
 _HEAD_SHARDED = {
@@ -54,20 +64,33 @@ _HEAD_SHARDED = {
 _MLP_SHARDED = {"w_gate": P(None, MODEL), "w_up": P(None, MODEL), "w_down": P(MODEL, None)}
 
 
-def make_mesh(data: int, model: int, devices=None) -> Mesh:
-    """A ``(data, model)`` mesh over the first data·model devices (default: all visible devices)."""
+def make_mesh(data: int, model: int, devices=None, *, context: int | None = None) -> Mesh:
+    """A ``(data, model)`` mesh over the first data·model devices (default: all visible devices);
+    with ``context``, a ``(data, model, context)`` mesh over data·model·context of them."""
     devices = jax.devices() if devices is None else list(devices)
-    if data < 1 or model < 1 or data * model > len(devices):
-        raise ValueError(f"mesh ({data}, {model}) needs {data * model} devices; {len(devices)} are visible")
-    return jax.make_mesh((data, model), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2,
-                         devices=devices[: data * model])
+    shape = (data, model) if context is None else (data, model, context)
+    size = math.prod(shape)
+    if min(shape) < 1 or size > len(devices):
+        raise ValueError(f"mesh {shape} needs {size} devices; {len(devices)} are visible")
+    return jax.make_mesh(shape, CONTEXT_AXES[: len(shape)], axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+                         devices=devices[:size])
+
+
+def has_context(mesh) -> bool:
+    """Whether the mesh splits retrieval regions over a ``context`` axis."""
+    return CONTEXT in mesh.axis_names
+
+
+def context_split(mesh) -> tuple[str, int] | None:
+    """(``context``, its size) for a mesh with that axis, else None (also for no mesh)."""
+    return (CONTEXT, mesh.shape[CONTEXT]) if mesh is not None and has_context(mesh) else None
 
 
 def validate_mesh(mesh: Mesh, config: models.ModelConfig, batch: int | None = None) -> None:
-    """Raise ValueError unless `mesh` has Auto axes (data, model) that divide the batch (if given)
-    and the KV heads."""
-    if tuple(mesh.axis_names) != AXES:
-        raise ValueError(f"mesh axes must be {AXES}, found {tuple(mesh.axis_names)} "
+    """Raise ValueError unless `mesh` has Auto axes (data, model) or (data, model, context) that
+    divide the batch (if given) and the KV heads."""
+    if tuple(mesh.axis_names) not in (AXES, CONTEXT_AXES):
+        raise ValueError(f"mesh axes must be {AXES} or {CONTEXT_AXES}, found {tuple(mesh.axis_names)} "
                          "(build one with jaxkv.sharding.make_mesh)")
     explicit = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
                 if kind != jax.sharding.AxisType.Auto]
@@ -110,20 +133,55 @@ def param_specs(params: models.Params, mesh: Mesh) -> models.Params:
     return models.Params(embed=P(), layers=layers, final_norm=P(), unembed=replicated(params.unembed))
 
 
-def cache_specs(states):
+def _region_specs(state: kvcache.RegionKV, context: bool) -> kvcache.RegionKV:
+    """Leaves lead with [B, Hkv], the per-row counters with [B]; with ``context`` the
+    retrieval fields lead with the shard axis [C] first."""
+    def spec(x, sharded):
+        per_row = x.ndim == (2 if sharded else 1)
+        return P(*((CONTEXT,) if sharded else ()), DATA, *(() if per_row else (MODEL,)))
+
+    return kvcache.RegionKV(**{
+        f.name: jax.tree.map(functools.partial(spec, sharded=context and f.name in kvcache.RETRIEVAL_FIELDS),
+                             getattr(state, f.name))
+        for f in dataclasses.fields(state)})
+
+
+def cache_specs(states, context: bool = False):
     """PartitionSpecs for a decode state: a stacked dense cache, or a tuple of per-layer states.
 
     Dense caches (models.KVCache) have leading [L, B, Hkv] (stacked) or [B, Hkv]
-    (one layer); every RegionKV leaf has leading [B, Hkv] except the per-row counters [B].
+    (one layer), whole on every ``context`` shard; every RegionKV leaf has leading
+    [B, Hkv] except the per-row counters [B], and with ``context`` (a mesh with that
+    axis) its retrieval fields lead with the shard axis.
     """
     if isinstance(states, models.KVCache):
         spec = P(None, DATA, MODEL, None, None) if states.k.ndim == 5 else P(DATA, MODEL, None, None)
         return models.KVCache(k=spec, v=spec)
     if isinstance(states, kvcache.RegionKV):
-        return jax.tree.map(lambda x: P(DATA) if x.ndim == 1 else P(DATA, MODEL), states)
+        return _region_specs(states, context)
     if isinstance(states, (tuple, list)):
-        return type(states)(cache_specs(s) for s in states)
+        return type(states)(cache_specs(s, context) for s in states)
     raise TypeError(f"cache_specs: no partition rule for a {type(states).__name__}")
+
+
+def _retrieval_fields(state: kvcache.RegionKV, change) -> kvcache.RegionKV:
+    """The state with ``change`` applied to every leaf of its retrieval fields."""
+    return dataclasses.replace(state, **{name: jax.tree.map(change, getattr(state, name))
+                                         for name in kvcache.RETRIEVAL_FIELDS})
+
+
+def _add_shard_axis(state):
+    """A shard's own RegionKV as its block of the global state (a leading shard axis of 1)."""
+    if not isinstance(state, kvcache.RegionKV):
+        return state
+    return _retrieval_fields(state, lambda x: x[None])
+
+
+def _drop_shard_axis(state):
+    """The block of a shard (leading shard axis of 1) as its own RegionKV."""
+    if not isinstance(state, kvcache.RegionKV):
+        return state
+    return _retrieval_fields(state, lambda x: x[0])
 
 
 # ----------------------------------------------------------------------------
@@ -160,7 +218,7 @@ def shard_params(params: models.Params, config: models.ModelConfig, mesh: Mesh,
 
 def shard_states(states, mesh: Mesh):
     """A decode state (dense cache or per-layer states) on the mesh."""
-    return place(states, cache_specs(states), mesh)
+    return place(states, cache_specs(states, has_context(mesh)), mesh)
 
 
 # ----------------------------------------------------------------------------
@@ -186,7 +244,7 @@ class LocalAttention:
 
     def __call__(self, q, k, v, positions, state, *layer):
         """An AttentionFn, or a StackedAttentionFn when given the layer index (replicated)."""
-        specs = cache_specs(state)
+        specs = cache_specs(state, has_context(self.mesh))
         return jax.shard_map(
             self._local, mesh=self.mesh,
             in_specs=(_Q_SPEC, _Q_SPEC, _Q_SPEC, P(DATA, None), specs, *(P() for _ in layer)),
@@ -195,9 +253,12 @@ class LocalAttention:
     def _local(self, q, k, v, positions, state, *layer):
         if not isinstance(state, kvcache.RegionKV):
             return self.attend(q, k, v, positions, state, *layer)
+        context = has_context(self.mesh)
         # The dense-fallback decision spans the whole batch, as on one device.
-        out, state = self.attend(q, k, v, positions, state, batch_axis=DATA)
-        return out, dataclasses.replace(state, keys_read=jax.lax.pmean(state.keys_read, MODEL))
+        out, state = self.attend(q, k, v, positions, _drop_shard_axis(state) if context else state,
+                                 batch_axis=DATA)
+        state = dataclasses.replace(state, keys_read=jax.lax.pmean(state.keys_read, MODEL))
+        return out, _add_shard_axis(state) if context else state
 
 
 def per_shard(attention, mesh: Mesh):
@@ -208,9 +269,19 @@ def per_shard(attention, mesh: Mesh):
 
 
 def regions_per_shard(staging: models.KVCache, lengths, *, backend: kvcache.Backend, mesh: Mesh):
-    """backend.from_prefill per shard: each device splits and indexes its own rows and KV heads."""
-    out_specs = cache_specs(jax.eval_shape(backend.from_prefill, staging, lengths))
-    return jax.shard_map(backend.from_prefill, mesh=mesh, in_specs=(cache_specs(staging), P(DATA)),
+    """backend.from_prefill per shard: each device splits and indexes its own rows and KV heads
+    (and with a ``context`` axis, its own part of each retrieval region)."""
+    context = has_context(mesh)
+
+    def local(staging, lengths):
+        return tuple(_add_shard_axis(s) if context else s for s in backend.from_prefill(staging, lengths))
+
+    # The shapes of a whole region tell the specs (a shard's own place is known only inside).
+    whole = dataclasses.replace(backend, context=None)
+    shapes = jax.eval_shape(lambda st, ln: tuple(map(_add_shard_axis, whole.from_prefill(st, ln))) if context
+                            else whole.from_prefill(st, ln), staging, lengths)
+    out_specs = cache_specs(shapes, context)
+    return jax.shard_map(local, mesh=mesh, in_specs=(cache_specs(staging), P(DATA)),
                          out_specs=out_specs, check_vma=False)(staging, lengths)
 
 
@@ -228,7 +299,7 @@ def argument_specs(x, mesh: Mesh):
     if isinstance(x, models.Params):
         return param_specs(x, mesh)
     if isinstance(x, (models.KVCache, kvcache.RegionKV, tuple, list)):
-        return cache_specs(x)
+        return cache_specs(x, has_context(mesh))
     if dataclasses.is_dataclass(x):
         return type(x)(**{f.name: argument_specs(getattr(x, f.name), mesh) for f in dataclasses.fields(x)})
     return P() if np.ndim(x) == 0 else P(DATA)
@@ -296,7 +367,7 @@ def bytes_per_device(tree) -> dict[str, int]:
 
 
 __all__ = [
-    "AXES", "DATA", "MODEL", "LocalAttention", "MeshJit", "argument_specs", "bytes_per_device", "cache_specs",
-    "fetch", "make_mesh", "param_specs", "per_shard", "place", "regions_per_shard", "shard_params",
+    "AXES", "CONTEXT", "CONTEXT_AXES", "DATA", "MODEL", "LocalAttention", "MeshJit", "argument_specs", "bytes_per_device", "cache_specs",
+    "context_split", "fetch", "has_context", "make_mesh", "param_specs", "per_shard", "place", "regions_per_shard", "shard_params",
     "shard_states", "validate_mesh",
 ]

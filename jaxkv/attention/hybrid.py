@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxkv.attention import common, magicpig, pariskv, rsq
 from jaxkv.attention.magicpig import MagicPIGConfig
 from jaxkv.attention.method import SparseMethod
+from jaxkv.attention.shards import ContextShards
 from jaxkv.attention.pariskv import ParisKVConfig
 from models import fields
 
@@ -252,6 +253,18 @@ def _regression_tail(cfg: HybridConfig, index: HybridIndex, q, candidates, in_ta
     return common.Partial(o=jnp.where(l[:, None] > 0, l[:, None] * mean, 0.0), l=l, m=m)
 
 
+def _head_and_tail(head: common.Selection | None, tail: common.Selection | None, g: int) -> common.Selection:
+    """One selection of the head's slots then the tail's, a tail row in the head read once."""
+    if tail is None:
+        return head
+    if head is None:
+        return tail
+    tail_mask = tail.mask & ~_rows_in(tail.idx, head.idx, head.mask)[None, :]
+    head_mask = jnp.broadcast_to(head.mask[None, :], (g, head.mask.shape[0]))
+    return common.Selection(idx=jnp.concatenate([head.idx, tail.idx]),
+                            mask=jnp.concatenate([head_mask, tail_mask], axis=1))
+
+
 def select(cfg: HybridConfig, index: HybridIndex, q: jax.Array) -> common.Selection:
     """The head's rows, then the tail's: sampled slots ("lsh", mask [G, k + C]) or an estimated ``rest``.
 
@@ -269,24 +282,38 @@ def select(cfg: HybridConfig, index: HybridIndex, q: jax.Array) -> common.Select
                                 rest=_regression_tail(cfg, index, q, candidates, in_tail))
     head = pariskv.select(cfg.head_config(), index.head, q) if _has_head(cfg) else None
     tail = magicpig.select(cfg.tail_config(), index.tail, q) if cfg.tail == "lsh" else None
-    if tail is None:
-        return head
-    if head is None:
-        return tail
-    tail_mask = tail.mask & ~_rows_in(tail.idx, head.idx, head.mask)[None, :]
-    head_mask = jnp.broadcast_to(head.mask[None, :], (q.shape[0], head.mask.shape[0]))
-    return common.Selection(idx=jnp.concatenate([head.idx, tail.idx]),
-                            mask=jnp.concatenate([head_mask, tail_mask], axis=1))
+    return _head_and_tail(head, tail, q.shape[0])
+
+
+def select_sharded(cfg: HybridConfig, index: HybridIndex, q: jax.Array, context: ContextShards) -> common.Selection:
+    """:func:`select` over a split region (tails "lsh" and "none"): the head's and the tail's
+    sharded selections, joined as on one device."""
+    head = pariskv.select_sharded(cfg.head_config(), index.head, q, context) if _has_head(cfg) else None
+    tail = magicpig.select_sharded(cfg.tail_config(), index.tail, q, context) if cfg.tail == "lsh" else None
+    return _head_and_tail(head, tail, q.shape[0])
+
+
+def _tail_weight(cfg, index, q, k_rows, selection, correct):
+    """log_weight [G, k + C]: 0 on head slots, ``correct`` (MagicPIG's) on the tail's."""
+    k = n_head_slots(cfg, index.tail.sorted_ids.shape[1])
+    tail = common.Selection(idx=selection.idx[k:], mask=selection.mask[:, k:])
+    tail_weight = correct(cfg.tail_config(), index.tail, q, k_rows[k:], tail)
+    return jnp.concatenate([jnp.zeros((q.shape[0], k), tail_weight.dtype), tail_weight], axis=1)
 
 
 def correction(cfg: HybridConfig, index: HybridIndex, q, k_rows, selection: common.Selection):
     """log_weight [G, k + C]: 0 on head slots (exact), −log u on sampled tail slots; None without an "lsh" tail."""
     if cfg.tail != "lsh":
         return None
-    k = n_head_slots(cfg, index.tail.sorted_ids.shape[1])
-    tail = common.Selection(idx=selection.idx[k:], mask=selection.mask[:, k:])
-    tail_weight = magicpig.correction(cfg.tail_config(), index.tail, q, k_rows[k:], tail)
-    return jnp.concatenate([jnp.zeros((q.shape[0], k), tail_weight.dtype), tail_weight], axis=1)
+    return _tail_weight(cfg, index, q, k_rows, selection, magicpig.correction)
+
+
+def correction_sharded(cfg: HybridConfig, index: HybridIndex, q, k_rows, selection, context: ContextShards):
+    """:func:`correction` of a shard's part (the tail's tables read over every shard)."""
+    if cfg.tail != "lsh":
+        return None
+    return _tail_weight(cfg, index, q, k_rows, selection,
+                        lambda *a: magicpig.correction_sharded(*a, context))
 
 
 def read_stats(cfg: HybridConfig, index: HybridIndex, q: jax.Array,
@@ -340,6 +367,23 @@ class Hybrid(SparseMethod):
 
     def top_k(self, cfg):
         return cfg.pariskv.top_k if _has_head(cfg) else 0
+
+    def splits_context(self, cfg):
+        """Not the "regression" tail: its value fit and clipped tail mean are not sums over rows."""
+        if cfg.tail == "lsh":
+            return magicpig.METHOD.splits_context(cfg.tail_config())
+        return cfg.tail == "none"
+
+    def build_sharded(self, cfg, keys, values, n, key, context):
+        head = pariskv.build(cfg.head_config(), keys, n) if _has_head(cfg) else None
+        tail = magicpig.build_sharded(cfg.tail_config(), keys, n, key, context) if cfg.tail == "lsh" else None
+        return HybridIndex(head=head, tail=tail, values=None)
+
+    def select_sharded(self, cfg, index, q, context):
+        return select_sharded(cfg, index, q, context)
+
+    def correction_sharded(self, cfg, index, q, k_rows, selection, context):
+        return correction_sharded(cfg, index, q, k_rows, selection, context)
 
 
 METHOD = Hybrid()

@@ -18,8 +18,9 @@ import numpy as np
 from jax import lax
 
 from jaxkv import native
-from jaxkv.attention import common
+from jaxkv.attention import common, shards
 from jaxkv.attention.method import Regions, SparseMethod
+from jaxkv.attention.shards import ContextShards
 from models import fields
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels
@@ -407,15 +408,22 @@ def _query_buckets(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array):
     return _code_buckets(cfg, index, hash_codes(cfg, hyperplanes(cfg, index), q))
 
 
-def _code_buckets(cfg: MagicPIGConfig, index: MagicPIGIndex, codes: jax.Array):
-    """:func:`_query_buckets` for the query codes [G, L]."""
+def _code_buckets(cfg: MagicPIGConfig, index: MagicPIGIndex, codes: jax.Array, context: ContextShards | None = None):
+    """:func:`_query_buckets` for the query codes [G, L].
+
+    With ``context`` (a shard's index): the tables read are those whose buckets, summed over
+    every shard, fit the whole region's candidate capacity; the rest is the shard's own.
+    """
     codes = codes.astype(jnp.int32)
     tables = jnp.arange(cfg.L)[None, :]
     lo = index.bucket_starts[tables, codes]
     sizes = index.bucket_starts[tables, codes + 1] - lo
     running = jnp.cumsum(sizes, axis=-1)
-    limit = cfg.candidate_entries(index.sorted_ids.shape[1])
-    tables_used = jnp.sum((running <= limit).astype(jnp.int32), axis=-1)
+    if context is None:
+        every, limit = running, cfg.candidate_entries(index.sorted_ids.shape[1])
+    else:
+        every, limit = jnp.cumsum(context.total(sizes), axis=-1), cfg.candidate_entries(context.capacity)
+    tables_used = jnp.sum((every <= limit).astype(jnp.int32), axis=-1)
     return lo, sizes, running, tables_used
 
 
@@ -434,7 +442,7 @@ def _entries_read(running, tables_used):
     return jnp.where(tables_used > 0, last, 0)
 
 
-def _entry_positions(cfg, cap, lo, sizes, running):
+def _entry_positions(cfg, cap, lo, sizes, running, entries):
     """Flat positions in ``sorted_ids.reshape(-1)`` of one query head's candidate slots.
 
     The query's buckets, table after table, form one ragged list: slot s in
@@ -442,24 +450,24 @@ def _entry_positions(cfg, cap, lo, sizes, running):
     That is s plus a term constant per table, so the term's steps are scattered
     at the tables' starts and summed, instead of finding each slot's table by a
     binary search (slower on XLA CPU). Slots past the tables read hold clipped
-    positions; callers mask them.
+    positions; callers mask them. ``entries``: the static number of slots.
     """
-    slot = jnp.arange(cfg.candidate_entries(cap), dtype=jnp.int32)
+    slot = jnp.arange(entries, dtype=jnp.int32)
     starts = running - sizes
     shift = jnp.arange(cfg.L, dtype=jnp.int32) * cap + lo - starts
     steps = jnp.zeros_like(slot).at[starts].add(jnp.diff(shift, prepend=0), mode="drop")
     return jnp.clip(slot + lax.associative_scan(jnp.add, steps), 0, cfg.L * cap - 1)
 
 
-def _head_hits(cfg, sorted_ids, lo, sizes, running, read):
+def _head_hits(cfg, sorted_ids, lo, sizes, running, read, entries):
     """One query head's sampled keys, bool [cap]: ids in >= min_hits of the buckets it reads.
 
     An id occurs at most once per table, so its count among the first ``read``
     entries of the ragged bucket list is its number of hits: a histogram of the
-    entries, cheaper on XLA CPU than sorting them.
+    entries, cheaper on XLA CPU than sorting them. ``entries``: at least ``read`` (static).
     """
     cap = sorted_ids.shape[1]
-    positions = _entry_positions(cfg, cap, lo, sizes, running)
+    positions = _entry_positions(cfg, cap, lo, sizes, running, entries)
     ids = jnp.where(jnp.arange(positions.shape[0]) < read, sorted_ids.reshape(-1)[positions], cap)
     hits = jnp.zeros((cap + 1,), HIT_COUNT_DTYPE).at[ids].add(1)  # slot cap counts the unread slots
     return hits[:cap] >= cfg.min_hits
@@ -519,7 +527,8 @@ def _sample_xla(cfg, index, codes, lo, sizes, running, tables_used, read, capaci
         hits, n_sampled = jax.vmap(
             lambda c, t: _head_hits_kernel(cfg, index, c, t, capacity))(codes, tables_used)
     else:
-        hits = jax.vmap(lambda *a: _head_hits(cfg, index.sorted_ids, *a))(lo, sizes, running, read)
+        entries = cfg.candidate_entries(cap)
+        hits = jax.vmap(lambda *a: _head_hits(cfg, index.sorted_ids, *a, entries))(lo, sizes, running, read)
         n_sampled = jnp.sum(hits, axis=1, dtype=jnp.int32)
     # The lowest `capacity` ids of the union: each is among its heads' lowest
     # `capacity` too, so the kernel's per-head lists (those) give the same slots.
@@ -533,6 +542,30 @@ def _sample_xla(cfg, index, codes, lo, sizes, running, tables_used, read, capaci
 def select(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array) -> common.Selection:
     """Sampled rows for q[G, d]: idx [C] (union over heads), mask [G, C] (each head's own sample)."""
     return select_with_stats(cfg, index, q)[0]
+
+
+def select_sharded(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, context: ContextShards) -> common.Selection:
+    """:func:`select` over a region split into shards (``jaxkv.attention.shards``): this shard's
+    part of the one-device sample, by the XLA path whatever ``cfg.kernels`` says.
+
+    The hash functions and μ (:meth:`MagicPIG.build_sharded`) are every shard's; the tables
+    read follow the bucket sizes summed over the shards ([G, L] int32 per step); a key's hits
+    are its own shard's count; the capacity keeps the lowest rows of the union, shard by
+    shard (one count per shard).
+    """
+    cap = index.sorted_ids.shape[1]
+    codes = hash_codes(cfg, hyperplanes(cfg, index), q)
+    lo, sizes, running, tables_used = _code_buckets(cfg, index, codes, context)
+    read = _entries_read(running, tables_used)
+    entries = min(cfg.candidate_entries(context.capacity), cfg.L * cap)
+    hits = jax.vmap(lambda *a: _head_hits(cfg, index.sorted_ids, *a, entries))(lo, sizes, running, read)
+    in_union = jnp.any(hits, axis=0)
+    capacity = cfg.sample_capacity(context.capacity)
+    kept = capacity - context.before(jnp.sum(in_union, dtype=jnp.int32))
+    union = common.compact_rows(in_union, min(capacity, cap), fill=cap)
+    union = jnp.where(jnp.arange(union.shape[0]) < kept, union, cap)
+    member = hits[:, jnp.minimum(union, cap - 1)] & (union < cap)[None, :]
+    return common.Selection(idx=jnp.where(union < cap, union, 0), mask=member)
 
 
 def _cosine(q: jax.Array, x: jax.Array) -> jax.Array:
@@ -552,6 +585,11 @@ def correction(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, k_rows: 
     without cancellation (:func:`collision_log_prob`), not as log(u + 1e-4).
     """
     _, _, _, tables_used = _query_buckets(cfg, index, q)
+    return _corrected(cfg, index, q, k_rows, selection, tables_used)
+
+
+def _corrected(cfg, index, q, k_rows, selection, tables_used):
+    """−log u [G, C] of the selected rows for the tables each query head read."""
     cos = _cosine(q, k_rows.astype(jnp.float32) - index.mu)
     log_u = collision_log_prob(cos, cfg.K, tables_used[:, None], cfg.min_hits)
     return jnp.where(selection.mask, -jnp.maximum(log_u, LOG_U_FLOOR), 0.0)
@@ -571,6 +609,22 @@ def attend_in_place(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, key
     return common.Partial(o=o, l=l, m=m)
 
 
+def build_sharded(cfg: MagicPIGConfig, keys: jax.Array, n, key, context: ContextShards) -> MagicPIGIndex:
+    """:func:`build` of a shard's rows, centred by the mean of every shard's keys."""
+    if not cfg.center:
+        return build(cfg, keys, n, key)
+    live = (jnp.arange(keys.shape[0]) < n)[:, None]
+    total = context.total(jnp.sum(jnp.where(live, keys.astype(jnp.float32), 0.0), axis=0))
+    return build(cfg, keys, n, key, mu=total / jnp.maximum(context.total(n), 1).astype(jnp.float32))
+
+
+def correction_sharded(cfg: MagicPIGConfig, index: MagicPIGIndex, q: jax.Array, k_rows: jax.Array,
+                       selection: common.Selection, context: ContextShards) -> jax.Array:
+    """:func:`correction` with the tables read over every shard (:func:`select_sharded`'s)."""
+    _, _, _, tables_used = _code_buckets(cfg, index, hash_codes(cfg, hyperplanes(cfg, index), q), context)
+    return _corrected(cfg, index, q, k_rows, selection, tables_used)
+
+
 class MagicPIG(SparseMethod):
     """MagicPIG through the cache's interface: LSH sampling, the −log u correction slot by slot."""
 
@@ -588,6 +642,19 @@ class MagicPIG(SparseMethod):
 
     def correction(self, cfg, index, q, k_rows, selection):
         return correction(cfg, index, q, k_rows, selection)
+
+    def splits_context(self, cfg):
+        """The XLA and Pallas paths; the CPU kernels' attention reads the tables used itself."""
+        return not cfg.kernels.uses_native()
+
+    def build_sharded(self, cfg, keys, values, n, key, context):
+        return build_sharded(cfg, keys, n, key, context)
+
+    def select_sharded(self, cfg, index, q, context):
+        return select_sharded(cfg, index, q, context)
+
+    def correction_sharded(self, cfg, index, q, k_rows, selection, context):
+        return correction_sharded(cfg, index, q, k_rows, selection, context)
 
     def regions(self, cfg):
         return Regions(cfg.sink, cfg.local, None)

@@ -87,6 +87,32 @@ class SparseMethod(abc.ABC):
           not read).
         """
 
+    def splits_context(self, cfg) -> bool:
+        """Whether :meth:`select_sharded` serves this config: the retrieval region may then be
+        split over a mesh's ``context`` axis (``jaxkv.sharding``)."""
+        return False
+
+    def select_sharded(self, cfg, index, q: jax.Array, context) -> common.Selection:
+        """:meth:`select` with the retrieval region split into contiguous shards, run on each
+        inside ``shard_map`` over ``context.axis`` (``context``: a
+        :class:`jaxkv.attention.shards.ContextShards`; ``index`` this shard's, built over its rows).
+
+        Returns this shard's part of the rows ``select`` picks over the whole region: idx its
+        local rows, mask False on the other shards' (:func:`jaxkv.attention.shards.shard_selection`).
+        Only called where :meth:`splits_context` holds.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not split its retrieval region")
+
+    def build_sharded(self, cfg, keys: jax.Array, values: jax.Array, n, key: jax.Array | None, context) -> Any:
+        """:meth:`build` of a shard's rows (inside ``shard_map``, see :meth:`select_sharded`); the
+        default builds from them alone, right for an index whose rows do not depend on the others."""
+        return self.build(cfg, keys, values, n, key)
+
+    def correction_sharded(self, cfg, index, q: jax.Array, k_rows: jax.Array, selection: common.Selection,
+                           context) -> jax.Array | None:
+        """:meth:`correction` of a shard's part of a selection (see :meth:`select_sharded`)."""
+        return self.correction(cfg, index, q, k_rows, selection)
+
     def correction(self, cfg, index, q: jax.Array, k_rows: jax.Array,
                    selection: common.Selection) -> jax.Array | None:
         """Added to the scores of the selected rows: None (read as they are) or [G, C].

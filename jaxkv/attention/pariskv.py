@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import native
-from jaxkv.attention import common, rsq
+from jaxkv.attention import common, rsq, shards
 from jaxkv.attention.method import IndexFunctions, KeyRetriever
+from jaxkv.attention.shards import ContextShards
 from models import fields
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels
@@ -339,17 +340,18 @@ def final_top_k(cfg: ParisKVConfig, values: jax.Array, k: int) -> jax.Array:
     return native.top_k(values, k) if cfg.kernels.uses_native() else top_indices(values, k)
 
 
-def vote_threshold(votes: jax.Array, count: int, most: int) -> tuple[jax.Array, jax.Array]:
+def vote_threshold(votes: jax.Array, count, most: int, total=lambda n: n) -> tuple[jax.Array, jax.Array]:
     """(t, rows voting above t): t the largest value with at least ``count`` rows voting ≥ t.
 
     votes[N] are integers in [−1, most], 1 ≤ count ≤ N. A bisection over the
     values, one counting pass over the votes per halving (⌈log2(most + 2)⌉
     passes), instead of a histogram by scatter-add (slower on XLA CPU).
+    total: sums a count over the shards of a split region (``ContextShards.total``).
     """
     lo, hi, above = jnp.int32(-1), jnp.int32(most + 1), jnp.int32(0)  # #(≥ lo) ≥ count > #(≥ hi) = above
     for _ in range(math.ceil(math.log2(most + 2))):
         mid = (lo + hi) // 2
-        at_least = jnp.sum(votes >= mid, dtype=jnp.int32)
+        at_least = total(jnp.sum(votes >= mid, dtype=jnp.int32))
         enough = at_least >= count
         lo, hi = jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
         above = jnp.where(enough, above, at_least)
@@ -424,6 +426,40 @@ def select(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array) -> common.Sele
     return common.Selection(idx=idx, mask=valid)
 
 
+def select_sharded(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, context: ContextShards) -> common.Selection:
+    """:func:`select` over a retrieval region split into shards: this shard's rows among the
+    top-k one device picks from the whole region (the same votes, threshold, ties and rerank).
+
+    The vote table reads the bucket counts and row count summed over the shards; the vote
+    threshold's bisection counts every shard's votes; ties at the threshold go to the lowest
+    rows, shard by shard; each shard reranks its candidates and the shards' best merge by
+    score (:func:`shards.best_of_shards`). Per step that moves the counts
+    (``2^m·P/m`` int32), ~log2(6·P/m) scalars and ``top_k`` (score, row) pairs per shard.
+    The coarse stage runs in XLA whatever ``cfg.kernels`` says.
+    """
+    local_cap, b = index.signs.shape
+    q_rot, q_norm = _query(cfg, q)
+    n = context.total(index.n)
+    table = vote_table(cfg, q_rot, n, context.total(index.bucket_counts), context.capacity)
+    votes = jnp.sum(table[jnp.arange(b)[None, :], index.signs], axis=-1, dtype=jnp.int32)
+    votes = jnp.where(jnp.arange(local_cap) < index.n, votes, -1)
+    # The valid rows among one device's candidates (its candidates past n are never read).
+    wanted = n_candidates(cfg, context.capacity)
+    threshold, above = vote_threshold(votes, jnp.minimum(wanted, n), N_TIERS * b, total=context.total)
+    ties = votes == threshold
+    take = jnp.minimum(wanted, n) - above - context.before(jnp.sum(ties, dtype=jnp.int32))
+    words = common.pack_words(votes > threshold) | common.first_set_bits(common.pack_words(ties), take)
+    size = min(wanted, local_cap)
+    candidates = common.compact_words(words, size, fill=local_cap)
+    valid = candidates < local_cap
+    estimate = jnp.where(valid, _rerank(cfg, index, q_rot, q_norm, jnp.minimum(candidates, local_cap - 1)),
+                         -jnp.inf)
+    k = n_retrieved(cfg, context.capacity)
+    best = final_top_k(cfg, estimate, min(k, size))
+    scores, order = shards.best_of_shards(estimate[best], context.order(candidates[best]), k, context)
+    return shards.shard_selection(scores, order, context)
+
+
 def attend_in_place(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, keys: jax.Array, values: jax.Array,
                     selection: common.Selection) -> common.Partial:
     """The partial of q[G, d] over the selection's rows of keys, values [cap, d] in one
@@ -444,6 +480,12 @@ class ParisKV(KeyRetriever):
 
     def kernels(self, cfg):
         return cfg.kernels
+
+    def splits_context(self, cfg):
+        return True
+
+    def select_sharded(self, cfg, index, q, context):
+        return select_sharded(cfg, index, q, context)
 
     def reads_rows_in_place(self, cfg, keys):
         """The CPU kernels, their attention kernel built (not on an AVX2 CPU, where the rows are

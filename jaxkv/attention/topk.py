@@ -12,9 +12,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention import common
+from jaxkv.attention import common, shards
 from jaxkv.attention.common import Selection
 from jaxkv.attention.method import IndexFunctions, KeyRetriever
+from jaxkv.attention.shards import ContextShards
 from models import fields
 
 
@@ -48,13 +49,23 @@ def insert(cfg: TopKConfig, index: TopKIndex, keys_new, count) -> TopKIndex:
     return TopKIndex(keys=keys, n=index.n + count)
 
 
-def select(cfg: TopKConfig, index: TopKIndex, q) -> Selection:
-    cap = index.keys.shape[0]
-    k = min(cfg.top_k, cap)
+def _best(index: TopKIndex, q, k: int):
+    """(scores [k], rows [k]) of the k best valid rows by the group-mean score (−inf: none)."""
     s = jnp.matmul(index.keys.astype(jnp.float32), jnp.mean(q.astype(jnp.float32), axis=0), precision=common.FULL_F32)
-    valid = jnp.arange(cap) < index.n
-    top_s, idx = jax.lax.top_k(jnp.where(valid, s, -jnp.inf), k)
+    valid = jnp.arange(index.keys.shape[0]) < index.n
+    return jax.lax.top_k(jnp.where(valid, s, -jnp.inf), k)
+
+
+def select(cfg: TopKConfig, index: TopKIndex, q) -> Selection:
+    top_s, idx = _best(index, q, min(cfg.top_k, index.keys.shape[0]))
     return Selection(idx=idx.astype(jnp.int32), mask=top_s > -jnp.inf)
+
+
+def select_sharded(cfg: TopKConfig, index: TopKIndex, q, context: ContextShards) -> Selection:
+    """:func:`select` over a split region: each shard's best, merged by score (``shards.best_of_shards``)."""
+    k = min(cfg.top_k, context.capacity)
+    top_s, idx = _best(index, q, min(k, index.keys.shape[0]))
+    return shards.shard_selection(*shards.best_of_shards(top_s, context.order(idx), k, context), context)
 
 
 class TopK(KeyRetriever):
@@ -62,6 +73,12 @@ class TopK(KeyRetriever):
 
     config_class = TopKConfig
     functions = IndexFunctions(build, insert, select)
+
+    def splits_context(self, cfg):
+        return True
+
+    def select_sharded(self, cfg, index, q, context):
+        return select_sharded(cfg, index, q, context)
 
 
 METHOD = TopK()
