@@ -1,11 +1,17 @@
 """Run by tests/test_sharding.py in a subprocess with 8 simulated CPU devices.
 
     python tests/sharding_worker.py '{"meshes": [[4, 2]], "methods": ["dense", "pariskv"]}'
+    python tests/sharding_worker.py '{"cases": {"pariskv": [[1, 1, 8]]}, "methods": []}'
 
 For each method: greedy tokens on one device, then for each mesh the tokens of
 the sharded generate(), and the per-device shard shapes and memory kinds of the
 parameters and of the decode state before and after the decode loop. Prints
 one JSON object; the test asserts on it (the worker checks nothing itself).
+
+With ``"selections": {"keys": N, "methods": [...]}`` it also compares, per method, one
+device's selection and estimate over N random keys with those of ``select_sharded`` on
+the shards of an 8-device context axis. With ``"memory": true`` it reports the bytes per device of one
+sparse layer's retrieval fields at 4,096 positions for context axes of 1, 2, 4 and 8.
 
 With ``"distributed": {"coordinator": "localhost:PORT", "num_processes": N,
 "process_id": i}`` it is one of N processes joined by jax.distributed
@@ -14,6 +20,7 @@ With ``"distributed": {"coordinator": "localhost:PORT", "num_processes": N,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -28,13 +35,14 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={TOTAL_DEVICE
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
 import models  # noqa: E402
 from jaxkv import cache as kvcache  # noqa: E402
 from jaxkv import sharding  # noqa: E402
-from jaxkv.attention import magicpig, pariskv  # noqa: E402
+from jaxkv.attention import hybrid, magicpig, pariskv, topk  # noqa: E402
 
 gen = importlib.import_module("jaxkv.generate")  # the module (jaxkv.generate is also the function)
 
@@ -56,6 +64,10 @@ METHODS = {
         K=4, L=8, sink=2, local=4, dense_layers=(0,), capacity=0.5, candidate_capacity=1.0)),
     "pariskv": dict(method="pariskv", cache_config=CACHE, method_config=pariskv.ParisKVConfig(
         m=4, top_k=12, sink=2, local=4, buffer=3)),
+    "hybrid_lsh": dict(method="hybrid", cache_config=CACHE, method_config=hybrid.HybridConfig(
+        pariskv=pariskv.ParisKVConfig(m=4, top_k=6), tail="lsh", sink=2, local=4, buffer=3,
+        magicpig=magicpig.MagicPIGConfig(K=4, L=8, capacity=0.5, candidate_capacity=1.0))),
+    "topk": dict(method="topk", cache_config=CACHE, method_config=topk.TopKConfig(top_k=12, sink=2, local=4, buffer=3)),
     # Contexts 23–42 straddle the threshold: on one device the shortest row keeps
     # every row dense; shards holding only long rows must decide the same way.
     "pariskv_fallback": dict(method="pariskv", cache_config=dataclasses.replace(CACHE, dense_threshold=32),
@@ -115,13 +127,20 @@ def collectives(hlo: str) -> list:
     return found
 
 
+def make_mesh(shape):
+    """[data, model] or [data, model, context]."""
+    return sharding.make_mesh(*shape[:2], context=shape[2] if len(shape) == 3 else None)
+
+
 def reference_and_sharded(params, request):
-    """(method, kwargs, mesh, one-device Generation, sharded Generation) for every requested case."""
-    for method in request["methods"]:
+    """(method, kwargs, mesh, one-device Generation, sharded Generation) for every requested case:
+    each of "methods" on each of "meshes", or the meshes of each method in "cases"."""
+    cases = request.get("cases") or {method: request["meshes"] for method in request["methods"]}
+    for method, meshes in cases.items():
         kwargs = METHODS[method]
         reference = jaxkv.generate(params, CONFIG, prompts(), max_new_tokens=NEW_TOKENS, eos_ids=(), **kwargs)
-        for data, model in request["meshes"]:
-            mesh = sharding.make_mesh(data, model)
+        for shape in meshes:
+            mesh = make_mesh(shape)
             out = jaxkv.generate(params, CONFIG, prompts(), max_new_tokens=NEW_TOKENS, eos_ids=(),
                                  mesh=mesh, **kwargs)
             yield method, kwargs, mesh, reference, out
@@ -130,6 +149,109 @@ def reference_and_sharded(params, request):
 def _case(method, mesh, reference, out) -> dict:
     return dict(method=method, mesh=list(mesh.devices.shape), reference=reference.tokens, sharded=out.tokens,
                 reference_read=reference.keys_read_fraction, sharded_read=out.keys_read_fraction)
+
+
+SELECTION_CONFIGS = {"hybrid_lsh": hybrid.HybridConfig(tail="lsh"), "magicpig": magicpig.MagicPIGConfig(),
+                     "pariskv": pariskv.ParisKVConfig(top_k=100), "topk": topk.TopKConfig(top_k=100)}
+
+
+def _picked(sel):
+    """Which slots of a selection are read by some query head."""
+    return sel.mask if sel.mask.ndim == 1 else sel.mask.any(axis=0)
+
+
+def _estimate(method, cfg, index, q, keys, values, sel, correct):
+    """The partial over a selection's rows, corrected as the method says (the cache's XLA path)."""
+    from jaxkv.attention import common
+    k_rows, v_rows = keys[sel.idx], values[sel.idx]
+    return common.partial_attention(q, k_rows, v_rows, sel.mask, correct(index, q, k_rows, sel))
+
+
+def one_device(method, cfg, keys, values, n, queries):
+    """Per query: the rows method.select picks over the first n of keys [cap, d], and the
+    normalised estimate over them."""
+    from jaxkv.attention import common
+    index = method.build(cfg, keys, values, n, None)
+    correct = functools.partial(method.correction, cfg)
+    rows, outs = [], []
+    for q in queries:
+        sel = method.select(cfg, index, q)
+        rows.append(sorted(set(np.asarray(sel.idx)[np.asarray(_picked(sel))].tolist())))
+        outs.append(np.asarray(common.finalize(_estimate(method, cfg, index, q, keys, values, sel, correct))).tolist())
+    return rows, outs
+
+
+def sharded(method, cfg, keys, values, n, queries, buffer):
+    """The same from select_sharded and correction_sharded on each shard of the 8 devices' context
+    axis, the shards' partials merged (shards.merge_partials)."""
+    from jax.sharding import PartitionSpec as P
+    from jaxkv.attention import common
+    from jaxkv.attention.shards import ContextShards, merge_partials
+    count = jax.device_count()
+    context = ContextShards.split("context", count, keys.shape[0], buffer)
+    mesh = jax.make_mesh((count,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
+    first = np.arange(count) * context.rows_per_shard
+
+    def blocks(x):  # [C, local_cap, d]: shard c's rows c·rows_per_shard onwards
+        padded = np.pad(x, ((0, count * context.local_capacity), (0, 0)))
+        return np.stack([padded[f:f + context.local_capacity] for f in first])
+
+    def local(k, v, used, q):
+        k, v = k[0], v[0]
+        index = method.build_sharded(cfg, k, v, used[0], None, context)
+        sel = method.select_sharded(cfg, index, q, context)
+        correct = lambda *a: method.correction_sharded(cfg, *a, context)  # noqa: E731
+        merged = merge_partials(_estimate(method, cfg, index, q, k, v, sel, correct), context)
+        return jnp.where(_picked(sel), context.index() * context.rows_per_shard + sel.idx, -1)[None], \
+            common.finalize(merged)
+
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("context"),) * 3 + (P(),),
+                                out_specs=(P("context"), P()), check_vma=False))
+    used = np.clip(n - first, 0, context.rows_per_shard).astype(np.int32)
+    rows, outs = [], []
+    for q in queries:
+        found, out = run(blocks(keys), blocks(values), used, q)
+        found = np.asarray(found).reshape(-1)
+        rows.append(sorted(set(found[found >= 0].tolist())))
+        outs.append(np.asarray(out).tolist())
+    return rows, outs
+
+
+def selections(request: dict) -> list:
+    """One device's selection and estimate against the shards', for random keys and queries."""
+    from jaxkv.attention import registry
+    rng = np.random.default_rng(1)
+    n, d, buffer = request["selections"]["keys"], 64, 64
+    keys = rng.standard_normal((n + buffer, d)).astype(np.float32)
+    values = rng.standard_normal((n + buffer, d)).astype(np.float32)
+    queries = [rng.standard_normal((3, d)).astype(np.float32) * 2 for _ in range(4)]
+    found = []
+    for name in request["selections"]["methods"]:
+        method, cfg = registry.get(name.split("_")[0]), SELECTION_CONFIGS[name]
+        rows, outs = one_device(method, cfg, jnp.asarray(keys), jnp.asarray(values), n, queries)
+        shard_rows, shard_outs = sharded(method, cfg, keys, values, n, queries, buffer)
+        found.append(dict(method=name, one_device=rows, sharded=shard_rows, one_device_out=outs,
+                          sharded_out=shard_outs))
+    return found
+
+
+def retrieval_bytes() -> dict:
+    """Bytes per device of a sparse layer's retrieval fields (K/V, index, count), per context size."""
+    from jaxkv.attention import registry
+    config = dataclasses.replace(CONFIG, num_layers=1, num_kv_heads=4, num_heads=12)
+    staging = models.init_cache(config, 1, 4096)
+    held = {}
+    for context in (1, 2, 4, 8):
+        mesh = sharding.make_mesh(1, 1, context=context)
+        backend = kvcache.make_backend(config, "pariskv", pariskv.ParisKVConfig(m=4), kvcache.CacheConfig(
+            local=64, buffer=16, dense_threshold=0), 4096 - 64, 64, context=sharding.context_split(mesh))
+        (state,) = jax.jit(functools.partial(sharding.regions_per_shard, backend=backend, mesh=mesh))(
+            staging, np.array([4000], np.int32))
+        fields = {name: getattr(state, name) for name in kvcache.RETRIEVAL_FIELDS}
+        held[context] = dict(bytes=sum(sharding.bytes_per_device(fields).values()),
+                             rows_per_shard=backend.context.rows_per_shard, buffer=backend.cache.buffer,
+                             capacity=backend.retrieval_capacity)
+    return held
 
 
 def main(request: dict) -> dict:
@@ -156,6 +278,10 @@ def main(request: dict) -> dict:
             out = jaxkv.generate(split, CONFIG, prompts(), max_new_tokens=NEW_TOKENS, eos_ids=(), mesh=mesh)
             result["split_cases"].append(dict(_case("dense", mesh, reference, out),
                                               params=layout(sharding.shard_params(split, CONFIG, mesh))))
+    if request.get("selections"):
+        result["selections"] = selections(request)
+    if request.get("memory"):
+        result["memory"] = retrieval_bytes()
     return result
 
 
