@@ -84,13 +84,13 @@ def state_bytes(params, config, prefilled, kwargs, mesh) -> dict[str, int]:
     from jaxkv import cache as kvcache
     from jaxkv import sharding
 
-    lengths = [len(r) for r in prefilled.rows]
+    lengths = jax.numpy.asarray([len(r) for r in prefilled.rows], np.int32)
     backend = kvcache.make_backend(config, kwargs.get("method", "dense"), kwargs.get("method_config"),
-                                   kwargs.get("cache_config"), max(lengths), 0)
-    staging = sharding.shard_states(jax.tree.map(jax.numpy.copy, prefilled.staging), mesh)
-    lengths_j = sharding.shard_rows(jax.numpy.asarray(lengths, np.int32), mesh)
-    states = sharding.states_from_prefill(backend, staging, lengths_j, mesh)
-    return sharding.bytes_per_device(states)
+                                   kwargs.get("cache_config"), int(lengths.max()), 0)
+    if mesh is None:
+        return sharding.bytes_per_device(backend.from_prefill(prefilled.staging, lengths))
+    regions = jax.jit(functools.partial(sharding.regions_per_shard, backend=backend, mesh=mesh))
+    return sharding.bytes_per_device(regions(sharding.shard_states(prefilled.staging, mesh), lengths))
 
 
 def main(argv=None):
