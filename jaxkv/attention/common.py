@@ -213,7 +213,7 @@ def seeded_constant(sampler, seed: int, shape: tuple[int, ...]) -> np.ndarray:
     read-only numpy array, drawn once on the CPU and shared by every caller. Not traced:
     inside a jitted decode loop the generator's threefry rounds otherwise ran for every
     sparse layer on every token; a constant is also packed for a product at compile time."""
-    with jax.default_device(jax.devices("cpu")[0]), jax.ensure_compile_time_eval():
+    with jax.default_device(jax.local_devices(backend="cpu")[0]), jax.ensure_compile_time_eval():
         drawn = np.array(sampler(jax.random.key(seed), shape, jnp.float32))
     drawn.setflags(write=False)
     return drawn
