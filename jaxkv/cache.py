@@ -268,9 +268,12 @@ def _window_rows(x, slots):
     return jax.vmap(lambda xb, sb: xb[:, sb])(x, slots)
 
 
-def _insert(index, keys, values, count, *, method, mcfg):
+def _insert(index, keys, values, count, *, method, mcfg, context=None):
     """The index with each (batch row, head)'s first count[b, h] of keys, values [B, H, U, hd] inserted."""
-    insert = lambda ix, kk, vv, c: method.insert(mcfg, ix, kk, vv, c)
+    if context is None:
+        insert = lambda ix, kk, vv, c: method.insert(mcfg, ix, kk, vv, c)  # noqa: E731
+    else:
+        insert = lambda ix, kk, vv, c: method.insert_sharded(mcfg, ix, kk, vv, c, context)  # noqa: E731
     return _over_batch_heads_for_insert(method, mcfg)(insert)(index, keys, values, count)
 
 
@@ -312,7 +315,8 @@ def flush(state: RegionKV, *, method, mcfg, ccfg: CacheConfig, context: ContextS
         retr_k, retr_v, index = offload.on_host(write_and_insert)(
             state.retr_k, state.retr_v, state.index, *offload.to_host((new_k, new_v, state.retr_len, count)))
     else:
-        index = _insert(state.index, row_values(new_k), row_values(new_v), count, method=method, mcfg=mcfg)
+        index = _insert(state.index, row_values(new_k), row_values(new_v), count, method=method, mcfg=mcfg,
+                        context=context)
         retr_k = write_rows(state.retr_k, state.retr_len, new_k, taken, ccfg)
         retr_v = write_rows(state.retr_v, state.retr_len, new_v, taken, ccfg)
     moved = jnp.where(full, u, 0)
@@ -741,17 +745,20 @@ def _layer_regions(backend: Backend, k, v, lengths) -> RegionKV:
                                 ccfg=backend.cache, capacity=backend.retrieval_capacity, context=backend.context)
 
 
-def _context_shards(context, method: str, mcfg, capacity: int, buffer: int) -> ContextShards | None:
+def _context_shards(context, method: str, mcfg, ccfg: CacheConfig, capacity: int) -> ContextShards | None:
     """The retrieval region's split for ``context`` = (mesh axis, shards), or None; ValueError for a
     method that cannot split it."""
     if context is None:
         return None
     method_obj = registry.get(method)
+    if host_config(method_obj, mcfg, ccfg) is not None:
+        raise ValueError(f"CacheConfig(host_index=True) runs {method!r} in host memory as one computation, "
+                         f"which the mesh's {context[0]!r} axis does not split: use host_index=False")
     if not method_obj.splits_context(mcfg):
         able = [n for n in registry.names() if registry.get(n).splits_context(registry.get(n).config_class())]
         raise ValueError(f"method {method!r} (with these settings) does not split its retrieval region over the mesh's "
                          f"{context[0]!r} axis; methods that do at their defaults: {', '.join(able)}")
-    return ContextShards.split(*context, capacity, buffer)
+    return ContextShards.split(*context, capacity, ccfg.buffer)
 
 
 def make_backend(config, method: str, method_config, cache_config, max_prompt: int,
@@ -782,4 +789,4 @@ def make_backend(config, method: str, method_config, cache_config, max_prompt: i
     capacity = max(total - ccfg.sink - ccfg.local, 0) + ccfg.buffer
     # Dense layers and the prefill staging cache keep every position.
     return Backend(config.num_layers, method, mcfg, ccfg, total, capacity,
-                   _context_shards(context, method, mcfg, capacity, ccfg.buffer))
+                   _context_shards(context, method, mcfg, ccfg, capacity))

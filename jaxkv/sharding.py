@@ -367,7 +367,7 @@ def bytes_per_device(tree) -> dict[str, int]:
 
 
 __all__ = [
-    "AXES", "CONTEXT", "CONTEXT_AXES", "DATA", "MODEL", "LocalAttention", "MeshJit", "argument_specs", "bytes_per_device", "cache_specs",
-    "context_split", "fetch", "has_context", "make_mesh", "param_specs", "per_shard", "place", "regions_per_shard", "shard_params",
-    "shard_states", "validate_mesh",
+    "AXES", "CONTEXT", "CONTEXT_AXES", "DATA", "MODEL", "LocalAttention", "MeshJit", "argument_specs",
+    "bytes_per_device", "cache_specs", "context_split", "fetch", "has_context", "make_mesh", "param_specs",
+    "per_shard", "place", "regions_per_shard", "shard_params", "shard_states", "validate_mesh",
 ]

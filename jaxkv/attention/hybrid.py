@@ -160,8 +160,12 @@ def _fit(gram: jax.Array, cross: jax.Array) -> jax.Array:
 
 
 def _value_model(cfg: HybridConfig, codes, values: jax.Array, live: jax.Array,
-                 base: ValueModel | None = None) -> ValueModel:
-    """``base`` (None: nothing) plus the live rows of code rows and their values [C, d], refitted."""
+                 base: ValueModel | None = None, context: ContextShards | None = None) -> ValueModel:
+    """``base`` (None: nothing) plus the live rows of code rows and their values [C, d], refitted.
+
+    With ``context`` the rows are every shard's (sums and bounds over the shards): each
+    shard keeps the whole region's model.
+    """
     x = _features(_reconstructions(cfg, codes)) * live[:, None]
     values = values.astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
@@ -169,6 +173,9 @@ def _value_model(cfg: HybridConfig, codes, values: jax.Array, live: jax.Array,
     cross = jnp.matmul(x.T, values, precision=hi)
     low = jnp.min(jnp.where(live[:, None], values, jnp.inf), axis=0)
     high = jnp.max(jnp.where(live[:, None], values, -jnp.inf), axis=0)
+    if context is not None:
+        gram, cross = context.total(gram), context.total(cross)
+        low, high = jax.lax.pmin(low, context.axis), jax.lax.pmax(high, context.axis)
     if base is not None:
         gram, cross = base.gram + gram, base.cross + cross
         low, high = jnp.minimum(base.low, low), jnp.maximum(base.high, high)
@@ -184,24 +191,27 @@ def _require_values(values):
 # ---------------------------------------------------------------- index
 
 def build(cfg: HybridConfig, keys: jax.Array, n, key: jax.Array | None = None,
-          values: jax.Array | None = None) -> HybridIndex:
+          values: jax.Array | None = None, context: ContextShards | None = None) -> HybridIndex:
     """Indices over the first n rows of keys[cap, d] (values[cap, d] for the regression tail).
 
     ``key`` draws a projection of its own for the "lsh" tail (None: MagicPIG's
-    seeded one, ``magicpig.projection``).
+    seeded one, ``magicpig.projection``). ``context``: a shard's rows (the value model
+    and MagicPIG's μ then cover every shard's).
     """
     head = pariskv.build(cfg.head_config(), keys, n) if _has_head(cfg) else None
     model = None
     if cfg.tail == "regression":
         _require_values(values)
-        model = _value_model(cfg, head.codes, values, jnp.arange(keys.shape[0]) < n)
-    return HybridIndex(
-        head=head, values=model,
-        tail=magicpig.build(cfg.tail_config(), keys, n, key) if cfg.tail == "lsh" else None)
+        model = _value_model(cfg, head.codes, values, jnp.arange(keys.shape[0]) < n, context=context)
+    tail = None
+    if cfg.tail == "lsh":
+        tail = (magicpig.build(cfg.tail_config(), keys, n, key) if context is None
+                else magicpig.build_sharded(cfg.tail_config(), keys, n, key, context))
+    return HybridIndex(head=head, values=model, tail=tail)
 
 
 def insert(cfg: HybridConfig, index: HybridIndex, keys_new: jax.Array, count,
-           values_new: jax.Array | None = None) -> HybridIndex:
+           values_new: jax.Array | None = None, context: ContextShards | None = None) -> HybridIndex:
     """Append the first ``count`` rows of keys_new[U, d] (and values_new) to every index (the buffer's flush)."""
     head = pariskv.insert(cfg.head_config(), index.head, keys_new, count) if _has_head(cfg) else None
     model = None
@@ -210,7 +220,7 @@ def insert(cfg: HybridConfig, index: HybridIndex, keys_new: jax.Array, count,
         # The rows just written, read back from the head index: encoded once.
         rows, live = pariskv.append_targets(index.head.n, keys_new.shape[0], count, index.head.signs.shape[0])
         new_codes = jax.tree.map(lambda x: x[jnp.minimum(rows, x.shape[0] - 1)], head.codes)
-        model = _value_model(cfg, new_codes, values_new, live, index.values)
+        model = _value_model(cfg, new_codes, values_new, live, index.values, context)
     return HybridIndex(
         head=head, values=model,
         tail=magicpig.insert(cfg.tail_config(), index.tail, keys_new, count) if cfg.tail == "lsh" else None)
@@ -226,7 +236,8 @@ def _rows_in(rows: jax.Array, members: jax.Array, member_valid: jax.Array) -> ja
     return ordered[at] == rows
 
 
-def _regression_tail(cfg: HybridConfig, index: HybridIndex, q, candidates, in_tail) -> common.Partial:
+def _regression_tail(cfg: HybridConfig, index: HybridIndex, q, candidates, in_tail,
+                     context: ContextShards | None = None) -> common.Partial:
     """Partial [G] over the candidates in_tail (not read): RSQ scores, regressed values.
 
     ŝ_i = ‖q_g‖⟨k̃_i, q̃_g⟩/√d per query head (k̃_i = ``rsq.reconstruct``, the codes the
@@ -234,6 +245,9 @@ def _regression_tail(cfg: HybridConfig, index: HybridIndex, q, candidates, in_ta
     key code predicts much of the value), so Σ_i e^{ŝ_i} v̂_i = [Σ_i e^{ŝ_i} k̃_i, Σ_i e^{ŝ_i}]·A:
     one small matmul. Biased (keys outside the candidates are left out) but free of
     sampling noise and of K/V reads.
+
+    With ``context`` the sums run over every shard's tail candidates and the whole partial
+    comes back on the first shard (an empty one on the others, so merging counts it once).
     """
     pcfg = cfg.head_config()
     recon = _reconstructions(cfg, jax.tree.map(lambda x: x[candidates], index.head.codes))
@@ -246,11 +260,19 @@ def _regression_tail(cfg: HybridConfig, index: HybridIndex, q, candidates, in_ta
     p = jnp.where(in_tail[None, :], jnp.exp(s - m[:, None]), 0.0)
     l = jnp.sum(p, axis=-1)
     weighted = jnp.matmul(p, _features(recon), precision=hi)  # Σ_i p_i [k̃_i, 1]; · A = Σ_i p_i v̂_i
+    if context is not None:
+        every_m = jax.lax.pmax(m, context.axis)
+        scale = jnp.exp(m - every_m)
+        m, l, weighted = every_m, context.total(l * scale), context.total(weighted * scale[:, None])
     mean = jnp.matmul(weighted, index.values.weights, precision=hi) / jnp.where(l > 0, l, 1.0)[:, None]
     # The true tail mean lies in the values' bounding box: clipping to it can only
     # bring each coordinate closer, and keeps the output a convex-range estimate.
     mean = jnp.clip(mean, index.values.low, index.values.high)
-    return common.Partial(o=jnp.where(l[:, None] > 0, l[:, None] * mean, 0.0), l=l, m=m)
+    tail = common.Partial(o=jnp.where(l[:, None] > 0, l[:, None] * mean, 0.0), l=l, m=m)
+    if context is None:
+        return tail
+    first = context.index() == 0
+    return jax.tree.map(lambda x, none: jnp.where(first, x, none), tail, common.empty_partial(*tail.o.shape))
 
 
 def _head_and_tail(head: common.Selection | None, tail: common.Selection | None, g: int) -> common.Selection:
@@ -286,8 +308,12 @@ def select(cfg: HybridConfig, index: HybridIndex, q: jax.Array) -> common.Select
 
 
 def select_sharded(cfg: HybridConfig, index: HybridIndex, q: jax.Array, context: ContextShards) -> common.Selection:
-    """:func:`select` over a split region (tails "lsh" and "none"): the head's and the tail's
-    sharded selections, joined as on one device."""
+    """:func:`select` over a split region: the head's and the tail's sharded selections, joined
+    as on one device (the regression tail's partial summed over the shards)."""
+    if cfg.tail == "regression":
+        candidates, valid, head = pariskv.ranked_candidates_sharded(cfg.head_config(), index.head, q, context)
+        in_tail = valid & ~_rows_in(candidates, head.idx, head.mask)
+        return dataclasses.replace(head, rest=_regression_tail(cfg, index, q, candidates, in_tail, context))
     head = pariskv.select_sharded(cfg.head_config(), index.head, q, context) if _has_head(cfg) else None
     tail = magicpig.select_sharded(cfg.tail_config(), index.tail, q, context) if cfg.tail == "lsh" else None
     return _head_and_tail(head, tail, q.shape[0])
@@ -369,15 +395,14 @@ class Hybrid(SparseMethod):
         return cfg.pariskv.top_k if _has_head(cfg) else 0
 
     def splits_context(self, cfg):
-        """Not the "regression" tail: its value fit and clipped tail mean are not sums over rows."""
-        if cfg.tail == "lsh":
-            return magicpig.METHOD.splits_context(cfg.tail_config())
-        return cfg.tail == "none"
+        """Every tail (the "lsh" one as MagicPIG does)."""
+        return cfg.tail != "lsh" or magicpig.METHOD.splits_context(cfg.tail_config())
 
     def build_sharded(self, cfg, keys, values, n, key, context):
-        head = pariskv.build(cfg.head_config(), keys, n) if _has_head(cfg) else None
-        tail = magicpig.build_sharded(cfg.tail_config(), keys, n, key, context) if cfg.tail == "lsh" else None
-        return HybridIndex(head=head, tail=tail, values=None)
+        return build(cfg, keys, n, key, values=values, context=context)
+
+    def insert_sharded(self, cfg, index, keys_new, values_new, count, context):
+        return insert(cfg, index, keys_new, count, values_new=values_new, context=context)
 
     def select_sharded(self, cfg, index, q, context):
         return select_sharded(cfg, index, q, context)

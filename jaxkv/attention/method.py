@@ -108,6 +108,11 @@ class SparseMethod(abc.ABC):
         default builds from them alone, right for an index whose rows do not depend on the others."""
         return self.build(cfg, keys, values, n, key)
 
+    def insert_sharded(self, cfg, index, keys_new: jax.Array, values_new: jax.Array, count, context) -> Any:
+        """:meth:`insert` into a shard's index (``count`` 0 on the shards a flush does not
+        write; every shard calls it); the default inserts alone."""
+        return self.insert(cfg, index, keys_new, values_new, count)
+
     def correction_sharded(self, cfg, index, q: jax.Array, k_rows: jax.Array, selection: common.Selection,
                            context) -> jax.Array | None:
         """:meth:`correction` of a shard's part of a selection (see :meth:`select_sharded`)."""

@@ -426,9 +426,11 @@ def select(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array) -> common.Sele
     return common.Selection(idx=idx, mask=valid)
 
 
-def select_sharded(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, context: ContextShards) -> common.Selection:
-    """:func:`select` over a retrieval region split into shards: this shard's rows among the
-    top-k one device picks from the whole region (the same votes, threshold, ties and rerank).
+def ranked_candidates_sharded(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, context: ContextShards):
+    """:func:`ranked_candidates` over a retrieval region split into shards: (this shard's valid
+    candidates [C] as local rows, valid [C], this shard's part of the final top-k as a
+    :func:`shards.shard_selection`), the rows one device picks from the whole region (the
+    same votes, threshold, ties and rerank).
 
     The vote table reads the bucket counts and row count summed over the shards; the vote
     threshold's bisection counts every shard's votes; ties at the threshold go to the lowest
@@ -457,7 +459,12 @@ def select_sharded(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, contex
     k = n_retrieved(cfg, context.capacity)
     best = final_top_k(cfg, estimate, min(k, size))
     scores, order = shards.best_of_shards(estimate[best], context.order(candidates[best]), k, context)
-    return shards.shard_selection(scores, order, context)
+    return candidates, valid, shards.shard_selection(scores, order, context)
+
+
+def select_sharded(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, context: ContextShards) -> common.Selection:
+    """:func:`select` over a retrieval region split into shards (:func:`ranked_candidates_sharded`)."""
+    return ranked_candidates_sharded(cfg, index, q, context)[2]
 
 
 def attend_in_place(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Array, keys: jax.Array, values: jax.Array,

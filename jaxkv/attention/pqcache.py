@@ -15,8 +15,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention import common, pariskv  # pariskv: shared top-k and row appends
+from jaxkv.attention import common, pariskv, shards  # pariskv: shared top-k and row appends
 from jaxkv.attention.method import IndexFunctions, KeyRetriever, Regions
+from jaxkv.attention.shards import ContextShards
 from models import fields
 
 MAX_CENTROIDS = 256  # codes are uint8
@@ -71,12 +72,18 @@ def _assign(parts: jax.Array, centroids: jax.Array) -> jax.Array:
     return jnp.argmin(dist, axis=-1).astype(jnp.int32)
 
 
-def _lloyd_step(parts, valid, centroids):
-    """One k-means iteration over the valid rows; empty clusters keep their centroid."""
+def _lloyd_step(parts, valid, centroids, total=lambda x: x):
+    """One k-means iteration over the valid rows; empty clusters keep their centroid.
+    total: sums over the shards of a split region (``ContextShards.total``)."""
     onehot = jax.nn.one_hot(_assign(parts, centroids), centroids.shape[1]) * valid[:, None, None]
-    sums = jnp.einsum("nsc,nse->sce", onehot, parts, precision=jax.lax.Precision.HIGHEST)
-    counts = jnp.sum(onehot, axis=0)[..., None]
+    sums = total(jnp.einsum("nsc,nse->sce", onehot, parts, precision=jax.lax.Precision.HIGHEST))
+    counts = total(jnp.sum(onehot, axis=0)[..., None])
     return jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), centroids)
+
+
+def _init_noise(cfg: PQCacheConfig, capacity: int) -> jax.Array:
+    """The k-means initialisation's draw per row of a region of ``capacity`` rows."""
+    return jax.random.uniform(jax.random.key(cfg.seed), (capacity,))
 
 
 def kmeans(cfg: PQCacheConfig, keys: jax.Array, n) -> jax.Array:
@@ -87,12 +94,34 @@ def kmeans(cfg: PQCacheConfig, keys: jax.Array, n) -> jax.Array:
     """
     parts = _split(cfg, keys)
     valid = jnp.arange(keys.shape[0]) < n
-    noise = jax.random.uniform(jax.random.key(cfg.seed), (keys.shape[0],))
-    shuffled_valid_first = jnp.argsort(jnp.where(valid, noise, 2.0))
+    shuffled_valid_first = jnp.argsort(jnp.where(valid, _init_noise(cfg, keys.shape[0]), 2.0))
     start_rows = shuffled_valid_first[jnp.arange(cfg.n_centroids) % jnp.maximum(n, 1)]
     centroids = jnp.swapaxes(parts[start_rows], 0, 1)
     return jax.lax.fori_loop(0, cfg.kmeans_iters,
                              lambda _, c: _lloyd_step(parts, valid, c), centroids)
+
+
+def kmeans_sharded(cfg: PQCacheConfig, keys: jax.Array, n, context: ContextShards) -> jax.Array:
+    """:func:`kmeans` of every shard's rows, on each (keys [local cap, d] this shard's).
+
+    The same initial rows (each row's draw is its one-device row's, the lowest draws merged
+    over the shards) and Lloyd steps over the sums of every shard; the centroids equal one
+    device's up to the rounding of those sums.
+    """
+    parts = _split(cfg, keys)
+    rows = jnp.arange(keys.shape[0])
+    valid = rows < n
+    draw = _init_noise(cfg, context.capacity)[jnp.minimum(context.index() * context.rows_per_shard + rows,
+                                                          context.capacity - 1)]
+    k = min(cfg.n_centroids, keys.shape[0])
+    lowest, local_rows = jax.lax.top_k(jnp.where(valid, -draw, -jnp.inf), k)
+    _, order = shards.best_of_shards(lowest, context.order(local_rows), cfg.n_centroids, context)
+    start = order[jnp.arange(cfg.n_centroids) % jnp.maximum(context.total(n), 1)]
+    mine = context.owns(start)[:, None, None]
+    centroids = context.total(jnp.where(mine, parts[context.local_row(start)], 0.0))  # [n_centroids, S, e]
+    centroids = jnp.swapaxes(centroids, 0, 1)
+    return jax.lax.fori_loop(0, cfg.kmeans_iters,
+                             lambda _, c: _lloyd_step(parts, valid, c, context.total), centroids)
 
 
 def insert(cfg: PQCacheConfig, index: PQCacheIndex, keys_new: jax.Array, count) -> PQCacheIndex:
@@ -110,13 +139,14 @@ def insert(cfg: PQCacheConfig, index: PQCacheIndex, keys_new: jax.Array, count) 
     )
 
 
-def build(cfg: PQCacheConfig, keys: jax.Array, n, key=None) -> PQCacheIndex:
+def build(cfg: PQCacheConfig, keys: jax.Array, n, key=None, context: ContextShards | None = None) -> PQCacheIndex:
     """k-means on the first n rows of keys[cap, d] and their codes; capacity = keys.shape[0].
 
     ``key`` is accepted for the common method interface and unused (``cfg.seed`` seeds k-means).
+    ``context``: a shard's rows, the centroids trained on every shard's (:func:`kmeans_sharded`).
     """
     del key
-    centroids = kmeans(cfg, keys, n)
+    centroids = kmeans(cfg, keys, n) if context is None else kmeans_sharded(cfg, keys, n, context)
     empty = PQCacheIndex(centroids=centroids,
                          codes=jnp.zeros((keys.shape[0], cfg.n_sub), jnp.uint8),
                          n=jnp.int32(0))
@@ -143,6 +173,14 @@ def select(cfg: PQCacheConfig, index: PQCacheIndex, q: jax.Array) -> common.Sele
     return common.Selection(idx=idx, mask=idx < index.n)
 
 
+def select_sharded(cfg: PQCacheConfig, index: PQCacheIndex, q: jax.Array, context: ContextShards) -> common.Selection:
+    """:func:`select` over a split region: each shard's best PQ scores, merged (``shards.best_of_shards``)."""
+    k = min(cfg.top_k, context.capacity)
+    values = scores(cfg, index, q)
+    local = pariskv.top_indices(values, min(k, values.shape[0]))
+    return shards.shard_selection(*shards.best_of_shards(values[local], context.order(local), k, context), context)
+
+
 class PQCache(KeyRetriever):
     """PQCache through the cache's interface (its config has no buffer and no dense layers)."""
 
@@ -154,6 +192,15 @@ class PQCache(KeyRetriever):
 
     def dense_layers(self, cfg):
         return ()
+
+    def splits_context(self, cfg):
+        return True
+
+    def build_sharded(self, cfg, keys, values, n, key, context):
+        return build(cfg, keys, n, key, context)
+
+    def select_sharded(self, cfg, index, q, context):
+        return select_sharded(cfg, index, q, context)
 
 
 METHOD = PQCache()
