@@ -137,7 +137,8 @@ def main(argv=None):
     for n in args.keys:
         config = layer_config(n, args.steps)
         total = n + args.steps
-        k, v = (jax.random.normal(key, (1, 1, 1, total, config.head_dim)) for key in jax.random.split(jax.random.key(1)))
+        k, v = (jax.random.normal(key, (1, 1, 1, total, config.head_dim))
+                for key in jax.random.split(jax.random.key(1)))
         staging = models.KVCache(k=models.transpose_keys(k), v=v)
         for method in args.methods:
             for shards in args.shards:

@@ -42,7 +42,7 @@ import jaxkv  # noqa: E402
 import models  # noqa: E402
 from jaxkv import cache as kvcache  # noqa: E402
 from jaxkv import sharding  # noqa: E402
-from jaxkv.attention import hybrid, magicpig, pariskv, topk  # noqa: E402
+from jaxkv.attention import hybrid, magicpig, pariskv, pqcache, topk  # noqa: E402
 
 gen = importlib.import_module("jaxkv.generate")  # the module (jaxkv.generate is also the function)
 
@@ -64,9 +64,13 @@ METHODS = {
         K=4, L=8, sink=2, local=4, dense_layers=(0,), capacity=0.5, candidate_capacity=1.0)),
     "pariskv": dict(method="pariskv", cache_config=CACHE, method_config=pariskv.ParisKVConfig(
         m=4, top_k=12, sink=2, local=4, buffer=3)),
+    "hybrid": dict(method="hybrid", cache_config=CACHE, method_config=hybrid.HybridConfig(
+        pariskv=pariskv.ParisKVConfig(m=4, top_k=6), sink=2, local=4, buffer=3)),
     "hybrid_lsh": dict(method="hybrid", cache_config=CACHE, method_config=hybrid.HybridConfig(
         pariskv=pariskv.ParisKVConfig(m=4, top_k=6), tail="lsh", sink=2, local=4, buffer=3,
         magicpig=magicpig.MagicPIGConfig(K=4, L=8, capacity=0.5, candidate_capacity=1.0))),
+    "pqcache": dict(method="pqcache", cache_config=CACHE, method_config=pqcache.PQCacheConfig(
+        n_sub=2, n_centroids=8, top_k=12, sink=2, local=4)),
     "topk": dict(method="topk", cache_config=CACHE, method_config=topk.TopKConfig(top_k=12, sink=2, local=4, buffer=3)),
     # Contexts 23–42 straddle the threshold: on one device the shortest row keeps
     # every row dense; shards holding only long rows must decide the same way.
@@ -151,8 +155,10 @@ def _case(method, mesh, reference, out) -> dict:
                 reference_read=reference.keys_read_fraction, sharded_read=out.keys_read_fraction)
 
 
-SELECTION_CONFIGS = {"hybrid_lsh": hybrid.HybridConfig(tail="lsh"), "magicpig": magicpig.MagicPIGConfig(),
-                     "pariskv": pariskv.ParisKVConfig(top_k=100), "topk": topk.TopKConfig(top_k=100)}
+SELECTION_CONFIGS = {"hybrid": hybrid.HybridConfig(), "hybrid_lsh": hybrid.HybridConfig(tail="lsh"),
+                     "magicpig": magicpig.MagicPIGConfig(),
+                     "pariskv": pariskv.ParisKVConfig(top_k=100), "pqcache": pqcache.PQCacheConfig(),
+                     "topk": topk.TopKConfig(top_k=100)}
 
 
 def _picked(sel):
@@ -161,10 +167,12 @@ def _picked(sel):
 
 
 def _estimate(method, cfg, index, q, keys, values, sel, correct):
-    """The partial over a selection's rows, corrected as the method says (the cache's XLA path)."""
+    """The partial over a selection's rows, corrected as the method says (the cache's XLA path),
+    and its estimate of the rest."""
     from jaxkv.attention import common
     k_rows, v_rows = keys[sel.idx], values[sel.idx]
-    return common.partial_attention(q, k_rows, v_rows, sel.mask, correct(index, q, k_rows, sel))
+    return common.with_rest(common.partial_attention(q, k_rows, v_rows, sel.mask, correct(index, q, k_rows, sel)),
+                            sel)
 
 
 def one_device(method, cfg, keys, values, n, queries):

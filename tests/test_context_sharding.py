@@ -17,10 +17,12 @@ from jaxkv.attention import magicpig, pariskv
 from test_sharding import DEVICES, _result, _start_worker
 
 MESHES = [[1, 1, 8], [2, 1, 4], [1, 2, 4]]
-# Every method that splits its region (the hybrid with its "lsh" tail), each on one mesh
-# and ParisKV on all three; the slow test runs every pair.
-METHODS = ["hybrid_lsh", "magicpig", "pariskv", "topk"]
-CASES = {"hybrid_lsh": [[1, 2, 4]], "magicpig": [[2, 1, 4]], "pariskv": MESHES, "topk": [[1, 1, 8]]}
+# Every method (the hybrid with both tails), each on one mesh and ParisKV on all three;
+# the slow test runs every pair.
+METHODS = ["hybrid", "hybrid_lsh", "magicpig", "pariskv", "pqcache", "topk"]
+# pariskv_fallback: rows straddle the dense threshold (each shard's exact partial merged).
+CASES = {"hybrid": [[2, 1, 4]], "hybrid_lsh": [[1, 2, 4]], "magicpig": [[2, 1, 4]], "pariskv": MESHES,
+         "pqcache": [[1, 2, 4]], "topk": [[1, 1, 8]], "pariskv_fallback": [[2, 1, 4]]}
 
 
 def _leaf_shard_shape(leaf, data, model, context):
@@ -83,11 +85,14 @@ def test_every_device_holds_its_shard_of_the_retrieval_region(worker):
 def test_sharded_selection_and_estimate_are_one_devices(worker):
     """Over 3,000 random keys split in 8 shards, for every query: the union of the shards'
     selections is the one-device set (ParisKV: global votes, threshold ties and rerank;
-    MagicPIG: the same hash functions, μ, tables read and capacity cut; the exact top-k), and
-    the merged estimate is one device's up to float32 rounding."""
+    MagicPIG: the same hash functions, μ, tables read and capacity cut; the exact top-k; the
+    hybrid's head, with its value model and tail partial summed over the shards; PQCache's
+    k-means from the same initial rows, its sums over the shards — equal centroids up to
+    rounding, which moves no row's code here), and the merged estimate is one device's up to
+    float32 rounding."""
     assert [s["method"] for s in worker["selections"]] == METHODS
     for found in worker["selections"]:
-        if found["method"] in ("pariskv", "topk"):  # the samplers' sizes vary by query
+        if found["method"] in ("pariskv", "pqcache", "topk"):  # the samplers' sizes vary by query
             assert all(len(rows) == 100 for rows in found["one_device"]), found["method"]
         assert all(rows for rows in found["one_device"]), found["method"]
         assert found["sharded"] == found["one_device"], found["method"]
@@ -114,12 +119,15 @@ def test_a_method_that_cannot_split_its_region_is_refused():
         rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=True,
         attention_bias=False, qk_norm=False, bos_token_id=1, eos_token_ids=(2,))
     refused = (r"method 'magicpig' \(with these settings\) does not split .* 'context' axis; "
-               r"methods that do at their defaults: magicpig, pariskv, topk")
+               r"methods that do at their defaults: hybrid, magicpig, pariskv, pqcache, topk")
     with pytest.raises(ValueError, match=refused):
         kvcache.make_backend(config, "magicpig", magicpig.MagicPIGConfig(kernels="native"), None, 100, 10,
                              context=("context", 2))
     with pytest.raises(ValueError, match="method='dense' keeps every layer's cache whole"):
         kvcache.make_backend(config, "dense", None, None, 100, 10, context=("context", 2))
+    with pytest.raises(ValueError, match=r"host_index=True\) runs 'magicpig' in host memory"):
+        kvcache.make_backend(config, "magicpig", magicpig.MagicPIGConfig(), kvcache.CacheConfig(host_index=True),
+                             100, 10, context=("context", 2))
     backend = kvcache.make_backend(config, "pariskv", pariskv.ParisKVConfig(), None, 100, 10, context=("context", 2))
     assert backend.context.count == 2 and backend.context.capacity == backend.retrieval_capacity
 
