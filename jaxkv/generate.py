@@ -412,7 +412,7 @@ def start_decoding(
                          f"{needed} (prompt + max_new_tokens)")
     backend = kvcache.make_backend(config, method, method_config, cache_config,
                                    prefilled.capacity - int(budget.max()), int(budget.max()),
-                                   context=sharding.context_split(mesh))
+                                   context=None if mesh is None else sharding.context_split(mesh))
     seeds = _per_row(seed, b, "seed") if isinstance(seed, (list, tuple, np.ndarray)) else None
     keys = (jnp.stack([jax.random.key_data(jax.random.key(s)) for s in seeds]) if seeds is not None
             else jax.random.key_data(jax.random.split(jax.random.key(seed), b)))
@@ -506,7 +506,7 @@ def generate(
         capacity = capacity_for(max(lengths), max_new_tokens) if prefilled is None else prefilled.capacity
         # The method's settings and the caches' size are checked before the prefill is spent on them.
         backend = kvcache.make_backend(config, method, method_config, cache_config, capacity - max_new_tokens,
-                                       max_new_tokens, context=sharding.context_split(mesh))
+                                       max_new_tokens, context=None if mesh is None else sharding.context_split(mesh))
         memory.check_fits(memory.request_need(backend, config, batch=len(rows), max_new_tokens=max_new_tokens,
                                               dtype=dtype or models.activation_dtype(params),
                                               prefilled=prefilled is not None),

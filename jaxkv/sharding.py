@@ -82,8 +82,8 @@ def has_context(mesh) -> bool:
 
 
 def context_split(mesh) -> tuple[str, int] | None:
-    """(``context``, its size) for a mesh with that axis, else None (also for no mesh)."""
-    return (CONTEXT, mesh.shape[CONTEXT]) if mesh is not None and has_context(mesh) else None
+    """(``context``, its size) for a mesh with that axis, else None."""
+    return (CONTEXT, mesh.shape[CONTEXT]) if has_context(mesh) else None
 
 
 def validate_mesh(mesh: Mesh, config: models.ModelConfig, batch: int | None = None) -> None:
