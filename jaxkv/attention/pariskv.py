@@ -270,12 +270,16 @@ def vote_table(cfg: ParisKVConfig, q_rot: jax.Array, n, bucket_counts: jax.Array
     return jnp.maximum(N_TIERS - tier, 0).astype(jnp.int32)
 
 
-def coarse_votes(cfg: ParisKVConfig, index: ParisKVIndex, q_rot: jax.Array) -> jax.Array:
-    """Total votes per key, int32 [cap]; rows >= n get -1."""
+def _row_votes(index: ParisKVIndex, table: jax.Array) -> jax.Array:
+    """Total votes per row of ``index`` from the vote table [B, 2^m], int32 [cap]; rows >= n get -1."""
     capacity, b = index.signs.shape
-    table = vote_table(cfg, q_rot, index.n, index.bucket_counts, capacity)
     votes = jnp.sum(table[jnp.arange(b)[None, :], index.signs], axis=-1, dtype=jnp.int32)
     return jnp.where(jnp.arange(capacity) < index.n, votes, -1)
+
+
+def coarse_votes(cfg: ParisKVConfig, index: ParisKVIndex, q_rot: jax.Array) -> jax.Array:
+    """Total votes per key, int32 [cap]; rows >= n get -1."""
+    return _row_votes(index, vote_table(cfg, q_rot, index.n, index.bucket_counts, index.signs.shape[0]))
 
 
 # ---------------------------------------------------------------- rerank and selection
@@ -442,9 +446,7 @@ def ranked_candidates_sharded(cfg: ParisKVConfig, index: ParisKVIndex, q: jax.Ar
     local_cap, b = index.signs.shape
     q_rot, q_norm = _query(cfg, q)
     n = context.total(index.n)
-    table = vote_table(cfg, q_rot, n, context.total(index.bucket_counts), context.capacity)
-    votes = jnp.sum(table[jnp.arange(b)[None, :], index.signs], axis=-1, dtype=jnp.int32)
-    votes = jnp.where(jnp.arange(local_cap) < index.n, votes, -1)
+    votes = _row_votes(index, vote_table(cfg, q_rot, n, context.total(index.bucket_counts), context.capacity))
     # The valid rows among one device's candidates (its candidates past n are never read).
     wanted = n_candidates(cfg, context.capacity)
     threshold, above = vote_threshold(votes, jnp.minimum(wanted, n), N_TIERS * b, total=context.total)
